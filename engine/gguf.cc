@@ -1,0 +1,492 @@
+#include "engine/gguf.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+
+#include "engine/kernels/bf16.h"
+
+namespace qkv {
+namespace {
+
+constexpr uint32_t kMagic = 0x46554747;  // "GGUF"
+constexpr uint64_t kMaxDims = 4;
+constexpr uint64_t kMaxStringBytes = 1ull << 30;
+constexpr int kMaxArrayDepth = 2;
+
+// A cursor that refuses to read past the end.
+class Cursor {
+ public:
+  Cursor(const uint8_t* p, uint64_t n) : p_(p), n_(n) {}
+  uint64_t pos() const { return pos_; }
+  uint64_t remaining() const { return n_ - pos_; }
+  template <typename T>
+  bool Read(T* out) {
+    if (remaining() < sizeof(T)) return false;
+    std::memcpy(out, p_ + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool ReadString(std::string* out) {
+    uint64_t len;
+    if (!Read(&len) || len > remaining() || len > kMaxStringBytes) return false;
+    out->assign(reinterpret_cast<const char*>(p_ + pos_), len);
+    pos_ += len;
+    return true;
+  }
+
+ private:
+  const uint8_t* p_;
+  uint64_t n_;
+  uint64_t pos_ = 0;
+};
+
+uint64_t ScalarSize(GgufType t) {
+  switch (t) {
+    case GgufType::kU8: case GgufType::kI8: case GgufType::kBool: return 1;
+    case GgufType::kU16: case GgufType::kI16: return 2;
+    case GgufType::kU32: case GgufType::kI32: case GgufType::kF32: return 4;
+    case GgufType::kU64: case GgufType::kI64: case GgufType::kF64: return 8;
+    case GgufType::kString: return 8;  // at least the length prefix
+    case GgufType::kArray: return 12;  // at least type + count
+  }
+  return 0;
+}
+
+bool ValidType(uint32_t t) { return t <= static_cast<uint32_t>(GgufType::kF64); }
+
+Status ReadValue(Cursor& c, GgufType type, GgufValue* v, int depth, const std::string& key) {
+  v->type = type;
+  auto fail = [&](const char* what) {
+    return DataLoss("gguf: metadata '" + key + "': " + what + " at byte " + std::to_string(c.pos()));
+  };
+  switch (type) {
+    case GgufType::kU8: { uint8_t x; if (!c.Read(&x)) return fail("truncated"); v->u = x; v->i = x; return {}; }
+    case GgufType::kI8: { int8_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
+    case GgufType::kU16: { uint16_t x; if (!c.Read(&x)) return fail("truncated"); v->u = x; v->i = x; return {}; }
+    case GgufType::kI16: { int16_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
+    case GgufType::kU32: { uint32_t x; if (!c.Read(&x)) return fail("truncated"); v->u = x; v->i = x; return {}; }
+    case GgufType::kI32: { int32_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
+    case GgufType::kU64: {
+      uint64_t x; if (!c.Read(&x)) return fail("truncated");
+      v->u = x;
+      v->i = x > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? -1 : static_cast<int64_t>(x);
+      return {};
+    }
+    case GgufType::kI64: { int64_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
+    case GgufType::kF32: { float x; if (!c.Read(&x)) return fail("truncated"); v->f = x; return {}; }
+    case GgufType::kF64: { double x; if (!c.Read(&x)) return fail("truncated"); v->f = x; return {}; }
+    case GgufType::kBool: {
+      uint8_t x; if (!c.Read(&x)) return fail("truncated");
+      if (x > 1) return fail("bool is neither 0 nor 1");
+      v->u = x; return {};
+    }
+    case GgufType::kString: if (!c.ReadString(&v->s)) return fail("bad or truncated string"); return {};
+    case GgufType::kArray: {
+      if (depth >= kMaxArrayDepth) return fail("arrays nested too deeply");
+      uint32_t et; uint64_t n;
+      if (!c.Read(&et) || !c.Read(&n)) return fail("truncated array header");
+      if (!ValidType(et)) return fail("unknown array element type");
+      const auto etype = static_cast<GgufType>(et);
+      if (n > c.remaining() / ScalarSize(etype)) return fail("array count larger than the file");
+      v->array_type = etype;
+      v->array.resize(n);
+      for (uint64_t k = 0; k < n; ++k) QKV_RETURN_IF_ERROR(ReadValue(c, etype, &v->array[k], depth + 1, key));
+      return {};
+    }
+  }
+  return fail("unknown value type");
+}
+
+}  // namespace
+
+const char* GgmlTypeName(GgmlType t) {
+  switch (t) {
+    case GgmlType::kF32: return "f32";
+    case GgmlType::kF16: return "f16";
+    case GgmlType::kQ8_0: return "q8_0";
+    case GgmlType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+uint64_t GgmlBlockSize(GgmlType t) { return t == GgmlType::kQ8_0 ? 32 : 1; }
+
+uint64_t GgmlRowBytes(GgmlType t, uint64_t n) {
+  switch (t) {
+    case GgmlType::kF32: return n * 4;
+    case GgmlType::kF16: case GgmlType::kBF16: return n * 2;
+    case GgmlType::kQ8_0: return n / 32 * 34;
+  }
+  return 0;
+}
+
+bool GgufValue::is_integer() const {
+  switch (type) {
+    case GgufType::kU8: case GgufType::kI8: case GgufType::kU16: case GgufType::kI16:
+    case GgufType::kU32: case GgufType::kI32: case GgufType::kU64: case GgufType::kI64: return true;
+    default: return false;
+  }
+}
+
+uint64_t GgufTensor::n_elements() const {
+  uint64_t n = 1;
+  for (uint64_t d : ne) n *= d;
+  return n;
+}
+
+StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return NotFound("gguf: cannot open '" + path + "': " + std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return InvalidArgument("gguf: '" + path + "' is not a regular file");
+  }
+  std::unique_ptr<GgufFile> f(new GgufFile());
+  f->size_ = static_cast<uint64_t>(st.st_size);
+  if (f->size_ > 0) {
+    void* m = mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (m == MAP_FAILED) {
+      ::close(fd);
+      return Internal("gguf: mmap of '" + path + "' failed: " + std::strerror(errno));
+    }
+    f->map_ = m;
+    f->base_ = static_cast<const uint8_t*>(m);
+  }
+  ::close(fd);
+  Status s = f->ParseImpl();
+  if (!s.ok()) return Status(s.code(), s.message() + " (file '" + path + "')");
+  return f;
+}
+
+StatusOr<std::unique_ptr<GgufFile>> GgufFile::Parse(std::span<const uint8_t> bytes) {
+  std::unique_ptr<GgufFile> f(new GgufFile());
+  f->base_ = bytes.data();
+  f->size_ = bytes.size();
+  QKV_RETURN_IF_ERROR(f->ParseImpl());
+  return f;
+}
+
+GgufFile::~GgufFile() {
+  if (map_) munmap(map_, size_);
+}
+
+Status GgufFile::ParseImpl() {
+  Cursor c(base_, size_);
+  uint32_t magic;
+  if (!c.Read(&magic)) return DataLoss("gguf: file too short for a header");
+  if (magic != kMagic) return DataLoss("gguf: bad magic (not a GGUF file)");
+  if (!c.Read(&version_)) return DataLoss("gguf: truncated header");
+  if (version_ != 2 && version_ != 3) {
+    return DataLoss("gguf: unsupported version " + std::to_string(version_) + " (expected 3)");
+  }
+  uint64_t n_tensors, n_kv;
+  if (!c.Read(&n_tensors) || !c.Read(&n_kv)) return DataLoss("gguf: truncated header");
+  // Each key/value needs >= 8 (key length) + 4 (type) + 1 bytes; each tensor info >= 8 + 4 + 4 + 8.
+  if (n_kv > c.remaining() / 13) return DataLoss("gguf: metadata count " + std::to_string(n_kv) + " is absurd for the file size");
+  if (n_tensors > c.remaining() / 24) return DataLoss("gguf: tensor count " + std::to_string(n_tensors) + " is absurd for the file size");
+
+  for (uint64_t k = 0; k < n_kv; ++k) {
+    std::string key;
+    if (!c.ReadString(&key)) return DataLoss("gguf: truncated metadata key #" + std::to_string(k));
+    uint32_t t;
+    if (!c.Read(&t)) return DataLoss("gguf: truncated metadata '" + key + "'");
+    if (!ValidType(t)) return DataLoss("gguf: metadata '" + key + "' has unknown type " + std::to_string(t));
+    GgufValue v;
+    QKV_RETURN_IF_ERROR(ReadValue(c, static_cast<GgufType>(t), &v, 0, key));
+    if (kv_.count(key)) return DataLoss("gguf: duplicate metadata key '" + key + "'");
+    kv_.emplace(std::move(key), std::move(v));
+  }
+
+  uint64_t alignment = 32;
+  if (const GgufValue* a = Find("general.alignment")) {
+    if (!a->is_integer() || a->i <= 0 || (a->i & (a->i - 1)) != 0 || a->i > 65536) {
+      return DataLoss("gguf: general.alignment must be a power of two");
+    }
+    alignment = static_cast<uint64_t>(a->i);
+  }
+
+  tensors_.resize(n_tensors);
+  for (uint64_t k = 0; k < n_tensors; ++k) {
+    GgufTensor& t = tensors_[k];
+    const std::string which = "tensor #" + std::to_string(k);
+    if (!c.ReadString(&t.name)) return DataLoss("gguf: truncated name of " + which);
+    uint32_t n_dims;
+    if (!c.Read(&n_dims)) return DataLoss("gguf: truncated " + which + " ('" + t.name + "')");
+    if (n_dims == 0 || n_dims > kMaxDims) {
+      return DataLoss("gguf: tensor '" + t.name + "' has " + std::to_string(n_dims) + " dimensions (1-4 allowed)");
+    }
+    t.ne.resize(n_dims);
+    uint64_t n_el = 1;
+    for (uint32_t d = 0; d < n_dims; ++d) {
+      if (!c.Read(&t.ne[d])) return DataLoss("gguf: truncated shape of tensor '" + t.name + "'");
+      if (t.ne[d] == 0 || t.ne[d] > (1ull << 40) || n_el > (1ull << 42) / t.ne[d]) {
+        return DataLoss("gguf: tensor '" + t.name + "' has an absurd shape");
+      }
+      n_el *= t.ne[d];
+    }
+    uint32_t type;
+    if (!c.Read(&type) || !c.Read(&t.offset)) return DataLoss("gguf: truncated info of tensor '" + t.name + "'");
+    t.type = static_cast<GgmlType>(type);
+    if (t.type != GgmlType::kF32 && t.type != GgmlType::kF16 && t.type != GgmlType::kBF16 &&
+        t.type != GgmlType::kQ8_0) {
+      return DataLoss("gguf: tensor '" + t.name + "' has unsupported ggml type " + std::to_string(type) +
+                      " (supported: f32, f16, bf16, q8_0)");
+    }
+    if (t.ne[0] % GgmlBlockSize(t.type) != 0) {
+      return DataLoss("gguf: tensor '" + t.name + "' row length is not a multiple of its block size");
+    }
+    t.nbytes = GgmlRowBytes(t.type, t.ne[0]) * (n_el / t.ne[0]);
+    if (t.offset % alignment != 0) return DataLoss("gguf: tensor '" + t.name + "' data is misaligned");
+    if (tensor_index_.count(t.name)) return DataLoss("gguf: duplicate tensor '" + t.name + "'");
+    tensor_index_[t.name] = k;
+  }
+  const uint64_t data_start = (c.pos() + alignment - 1) / alignment * alignment;
+  if (data_start > size_ && n_tensors > 0) return DataLoss("gguf: file truncated before the tensor data");
+  for (GgufTensor& t : tensors_) {
+    if (t.offset > size_ || t.nbytes > size_ - data_start || t.offset > size_ - data_start - t.nbytes) {
+      return DataLoss("gguf: tensor '" + t.name + "' data lies beyond the end of the file (truncated?)");
+    }
+    t.data = base_ + data_start + t.offset;
+  }
+  return {};
+}
+
+const GgufValue* GgufFile::Find(const std::string& key) const {
+  auto it = kv_.find(key);
+  return it == kv_.end() ? nullptr : &it->second;
+}
+
+const GgufTensor* GgufFile::FindTensor(const std::string& name) const {
+  auto it = tensor_index_.find(name);
+  return it == tensor_index_.end() ? nullptr : &tensors_[it->second];
+}
+
+StatusOr<int64_t> GgufFile::GetInt(const std::string& key) const {
+  const GgufValue* v = Find(key);
+  if (!v) return NotFound("gguf: missing metadata '" + key + "'");
+  if (!v->is_integer()) return InvalidArgument("gguf: metadata '" + key + "' is not an integer");
+  if (v->type == GgufType::kU64 && v->i < 0) return InvalidArgument("gguf: metadata '" + key + "' is out of range");
+  return v->i;
+}
+
+StatusOr<double> GgufFile::GetFloat(const std::string& key) const {
+  const GgufValue* v = Find(key);
+  if (!v) return NotFound("gguf: missing metadata '" + key + "'");
+  if (v->is_float()) return v->f;
+  if (v->is_integer()) return static_cast<double>(v->i);
+  return InvalidArgument("gguf: metadata '" + key + "' is not a number");
+}
+
+StatusOr<bool> GgufFile::GetBool(const std::string& key) const {
+  const GgufValue* v = Find(key);
+  if (!v) return NotFound("gguf: missing metadata '" + key + "'");
+  if (v->type != GgufType::kBool) return InvalidArgument("gguf: metadata '" + key + "' is not a bool");
+  return v->u != 0;
+}
+
+StatusOr<std::string> GgufFile::GetString(const std::string& key) const {
+  const GgufValue* v = Find(key);
+  if (!v) return NotFound("gguf: missing metadata '" + key + "'");
+  if (v->type != GgufType::kString) return InvalidArgument("gguf: metadata '" + key + "' is not a string");
+  return v->s;
+}
+
+int64_t GgufFile::GetIntOr(const std::string& key, int64_t dflt) const {
+  auto r = GetInt(key);
+  return r.ok() ? *r : dflt;
+}
+double GgufFile::GetFloatOr(const std::string& key, double dflt) const {
+  auto r = GetFloat(key);
+  return r.ok() ? *r : dflt;
+}
+bool GgufFile::GetBoolOr(const std::string& key, bool dflt) const {
+  auto r = GetBool(key);
+  return r.ok() ? *r : dflt;
+}
+std::string GgufFile::GetStringOr(const std::string& key, const std::string& dflt) const {
+  auto r = GetString(key);
+  return r.ok() ? *r : dflt;
+}
+
+// ---------------------------------------------------------------- writer
+
+namespace {
+template <typename T>
+void Put(std::vector<uint8_t>& b, T v) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&v);
+  b.insert(b.end(), p, p + sizeof(T));
+}
+void PutString(std::vector<uint8_t>& b, const std::string& s) {
+  Put<uint64_t>(b, s.size());
+  b.insert(b.end(), s.begin(), s.end());
+}
+}  // namespace
+
+void GgufWriter::SetU32(const std::string& key, uint32_t v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kU32));
+  Put(b, v);
+  kv_.emplace_back(key, std::move(b));
+}
+void GgufWriter::SetI32(const std::string& key, int32_t v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kI32));
+  Put(b, v);
+  kv_.emplace_back(key, std::move(b));
+}
+void GgufWriter::SetF32(const std::string& key, float v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kF32));
+  Put(b, v);
+  kv_.emplace_back(key, std::move(b));
+}
+void GgufWriter::SetBool(const std::string& key, bool v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kBool));
+  Put<uint8_t>(b, v ? 1 : 0);
+  kv_.emplace_back(key, std::move(b));
+}
+void GgufWriter::SetString(const std::string& key, const std::string& v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kString));
+  PutString(b, v);
+  kv_.emplace_back(key, std::move(b));
+}
+void GgufWriter::SetStringArray(const std::string& key, const std::vector<std::string>& v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kArray));
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kString));
+  Put<uint64_t>(b, v.size());
+  for (const auto& s : v) PutString(b, s);
+  kv_.emplace_back(key, std::move(b));
+}
+void GgufWriter::SetI32Array(const std::string& key, const std::vector<int32_t>& v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kArray));
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kI32));
+  Put<uint64_t>(b, v.size());
+  for (int32_t x : v) Put(b, x);
+  kv_.emplace_back(key, std::move(b));
+}
+void GgufWriter::AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne,
+                           std::vector<uint8_t> data) {
+  tensors_.push_back({name, type, std::move(ne), std::move(data)});
+}
+
+std::vector<uint8_t> GgufWriter::Serialize() const {
+  constexpr uint64_t kAlign = 32;
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, kMagic);
+  Put<uint32_t>(b, 3);
+  Put<uint64_t>(b, tensors_.size());
+  Put<uint64_t>(b, kv_.size());
+  for (const auto& [key, val] : kv_) {
+    PutString(b, key);
+    b.insert(b.end(), val.begin(), val.end());
+  }
+  uint64_t offset = 0;
+  for (const Tensor& t : tensors_) {
+    PutString(b, t.name);
+    Put<uint32_t>(b, static_cast<uint32_t>(t.ne.size()));
+    for (uint64_t d : t.ne) Put<uint64_t>(b, d);
+    Put<uint32_t>(b, static_cast<uint32_t>(t.type));
+    Put<uint64_t>(b, offset);
+    offset += (t.data.size() + kAlign - 1) / kAlign * kAlign;
+  }
+  b.resize((b.size() + kAlign - 1) / kAlign * kAlign, 0);
+  for (const Tensor& t : tensors_) {
+    b.insert(b.end(), t.data.begin(), t.data.end());
+    b.resize((b.size() + kAlign - 1) / kAlign * kAlign, 0);
+  }
+  return b;
+}
+
+Status GgufWriter::WriteFile(const std::string& path) const {
+  const std::vector<uint8_t> b = Serialize();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return InvalidArgument("cannot write '" + path + "'");
+  out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+  if (!out) return Internal("short write to '" + path + "'");
+  return {};
+}
+
+// ---------------------------------------------------------------- conversions
+
+Status DequantizeToF32(const GgufTensor& t, float* dst) {
+  const uint64_t n = t.n_elements();
+  switch (t.type) {
+    case GgmlType::kF32: std::memcpy(dst, t.data, n * 4); return {};
+    case GgmlType::kF16: {
+      for (uint64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, t.data + 2 * i, 2);
+        dst[i] = F16ToF32(h);
+      }
+      return {};
+    }
+    case GgmlType::kBF16: {
+      for (uint64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, t.data + 2 * i, 2);
+        dst[i] = Bf16ToF32(h);
+      }
+      return {};
+    }
+    case GgmlType::kQ8_0: {
+      for (uint64_t blk = 0; blk < n / 32; ++blk) {
+        const uint8_t* p = t.data + blk * 34;
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        const float d = F16ToF32(h);
+        for (int j = 0; j < 32; ++j) dst[blk * 32 + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
+      }
+      return {};
+    }
+  }
+  return DataLoss("gguf: tensor '" + t.name + "' has an unsupported type");
+}
+
+std::vector<uint8_t> EncodeFromF32(const float* src, uint64_t n, GgmlType type) {
+  std::vector<uint8_t> out(GgmlRowBytes(type, n));
+  switch (type) {
+    case GgmlType::kF32: std::memcpy(out.data(), src, n * 4); break;
+    case GgmlType::kF16:
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint16_t h = F32ToF16(src[i]);
+        std::memcpy(out.data() + 2 * i, &h, 2);
+      }
+      break;
+    case GgmlType::kBF16:
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint16_t h = F32ToBf16(src[i]);
+        std::memcpy(out.data() + 2 * i, &h, 2);
+      }
+      break;
+    case GgmlType::kQ8_0:
+      // As ggml's quantize_row_q8_0_ref: d = amax / 127 stored as f16, q = round(x / d).
+      for (uint64_t blk = 0; blk < n / 32; ++blk) {
+        const float* x = src + blk * 32;
+        float amax = 0;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0 ? 1.0f / d : 0.0f;
+        uint8_t* p = out.data() + blk * 34;
+        const uint16_t h = F32ToF16(d);
+        std::memcpy(p, &h, 2);
+        for (int j = 0; j < 32; ++j) p[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::lround(x[j] * id)));
+      }
+      break;
+  }
+  return out;
+}
+
+}  // namespace qkv

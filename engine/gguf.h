@@ -1,0 +1,135 @@
+// GGUF v3 files: a bounds-checked reader over an mmap'd file and a writer.
+//
+// Layout (little-endian): magic "GGUF", version u32, tensor count u64, metadata count u64, the metadata
+// key/values, the tensor infos (name, n_dims, ne[n_dims], ggml type, offset), padding to
+// `general.alignment` (default 32), then the tensor data. ne[0] is the fastest-varying dimension, so a
+// PyTorch weight of shape [out, in] is stored with ne = {in, out}.
+//
+// The reader never trusts the file: every length, count, shape and offset is checked against the bytes
+// actually present before it is used, and a malformed file gives a DATA_LOSS / INVALID_ARGUMENT Status
+// naming the problem.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/status.h"
+
+namespace qkv {
+
+enum class GgufType : uint32_t {
+  kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7,
+  kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,
+};
+
+enum class GgmlType : uint32_t { kF32 = 0, kF16 = 1, kQ8_0 = 8, kBF16 = 30 };
+
+const char* GgmlTypeName(GgmlType t);
+// Bytes for `n` elements of type t (n must be a multiple of the block size for quantized types).
+uint64_t GgmlRowBytes(GgmlType t, uint64_t n);
+// Elements per block (32 for Q8_0, 1 otherwise).
+uint64_t GgmlBlockSize(GgmlType t);
+
+// One metadata value. Scalars live in the member for their kind; arrays hold their elements in
+// `array` with `array_type` giving the element kind.
+struct GgufValue {
+  GgufType type = GgufType::kU32;
+  uint64_t u = 0;   // unsigned integers and bool
+  int64_t i = 0;    // signed integers (unsigned ones are mirrored here when they fit)
+  double f = 0;     // floats
+  std::string s;    // strings
+  GgufType array_type = GgufType::kU32;
+  std::vector<GgufValue> array;
+
+  bool is_integer() const;
+  bool is_float() const { return type == GgufType::kF32 || type == GgufType::kF64; }
+};
+
+struct GgufTensor {
+  std::string name;
+  std::vector<uint64_t> ne;  // ne[0] fastest
+  GgmlType type = GgmlType::kF32;
+  uint64_t offset = 0;  // relative to the data section
+  const uint8_t* data = nullptr;
+  uint64_t nbytes = 0;
+  uint64_t n_elements() const;
+};
+
+class GgufFile {
+ public:
+  // Maps and parses the file. The mapping lives as long as the GgufFile.
+  static StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);
+  // Parses an in-memory image (the bytes must outlive the result). Used by tests and fuzzing.
+  static StatusOr<std::unique_ptr<GgufFile>> Parse(std::span<const uint8_t> bytes);
+  ~GgufFile();
+  GgufFile(const GgufFile&) = delete;
+  GgufFile& operator=(const GgufFile&) = delete;
+
+  uint32_t version() const { return version_; }
+  const std::map<std::string, GgufValue>& metadata() const { return kv_; }
+  const std::vector<GgufTensor>& tensors() const { return tensors_; }
+  const GgufValue* Find(const std::string& key) const;
+  const GgufTensor* FindTensor(const std::string& name) const;
+
+  // Typed metadata accessors: NotFound if absent, InvalidArgument if of the wrong kind or range.
+  StatusOr<int64_t> GetInt(const std::string& key) const;
+  StatusOr<double> GetFloat(const std::string& key) const;
+  StatusOr<bool> GetBool(const std::string& key) const;
+  StatusOr<std::string> GetString(const std::string& key) const;
+  int64_t GetIntOr(const std::string& key, int64_t dflt) const;
+  double GetFloatOr(const std::string& key, double dflt) const;
+  bool GetBoolOr(const std::string& key, bool dflt) const;
+  std::string GetStringOr(const std::string& key, const std::string& dflt) const;
+
+  uint64_t file_size() const { return size_; }
+
+ private:
+  GgufFile() = default;
+  Status ParseImpl();
+
+  void* map_ = nullptr;
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  uint32_t version_ = 0;
+  std::map<std::string, GgufValue> kv_;
+  std::vector<GgufTensor> tensors_;
+  std::map<std::string, size_t> tensor_index_;
+};
+
+// Builds a GGUF v3 file in memory and writes it out.
+class GgufWriter {
+ public:
+  void SetU32(const std::string& key, uint32_t v);
+  void SetI32(const std::string& key, int32_t v);
+  void SetF32(const std::string& key, float v);
+  void SetBool(const std::string& key, bool v);
+  void SetString(const std::string& key, const std::string& v);
+  void SetStringArray(const std::string& key, const std::vector<std::string>& v);
+  void SetI32Array(const std::string& key, const std::vector<int32_t>& v);
+  // Adds a tensor; `ne` is ggml order (fastest first) and `data` must hold exactly its bytes.
+  void AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne,
+                 std::vector<uint8_t> data);
+  std::vector<uint8_t> Serialize() const;
+  Status WriteFile(const std::string& path) const;
+
+ private:
+  struct Tensor {
+    std::string name;
+    GgmlType type;
+    std::vector<uint64_t> ne;
+    std::vector<uint8_t> data;
+  };
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> kv_;  // key and encoded (type + value)
+  std::vector<Tensor> tensors_;
+};
+
+// Converts a tensor of any supported type to f32 (dst must hold n_elements()).
+Status DequantizeToF32(const GgufTensor& t, float* dst);
+// Encodes f32 values as `type` (for the writer).
+std::vector<uint8_t> EncodeFromF32(const float* src, uint64_t n, GgmlType type);
+
+}  // namespace qkv

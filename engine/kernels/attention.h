@@ -1,0 +1,31 @@
+// Causal scaled-dot-product attention over the paged KV cache.
+//
+// For a query at position p, the scores are q·k_j / sqrt(head_dim) for j = 0..p only (a future position
+// gets exactly zero weight because it is never visited), softmax, then Σ_j w_j v_j. With sinks, the
+// head's learnable sink logit joins the softmax denominator and takes no value (gpt-oss). GQA: the
+// n_heads / n_kv_heads query heads of a group share one pass over their kv head's K and V.
+// Keys are walked in position order, whatever the chunking of the sequence, so results do not depend
+// on how a prompt was split into steps.
+#pragma once
+
+#include "engine/kv_cache.h"
+
+namespace qkv {
+
+struct AttentionShape {
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  const float* sinks = nullptr;  // n_heads logits, or nullptr
+};
+
+// Writes one token's rotated K row and its V row (each n_kv_heads * head_dim f32) at position pos.
+void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k, const float* v);
+
+// Attention of one query token (all heads of kv head `g`) over positions [0, n_ctx).
+// q: n_heads * head_dim; out: n_heads * head_dim (only group g's heads are written).
+// scratch: at least (n_heads / n_kv_heads) * n_ctx + 2 * head_dim floats.
+void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
+                 const AttentionShape& shape, int g, float* scratch);
+
+}  // namespace qkv

@@ -1,0 +1,192 @@
+#include "engine/kernels/linear.h"
+
+#include <omp.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace qkv {
+namespace {
+
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+
+constexpr int kBuckets[] = {1, 2, 4, 8, 16, 32, 64, kTileRows};
+constexpr int kNumBuckets = sizeof(kBuckets) / sizeof(kBuckets[0]);
+
+int BucketIndex(int m) {
+  for (int i = 0; i < kNumBuckets; ++i) {
+    if (m <= kBuckets[i]) return i;
+  }
+  return kNumBuckets - 1;
+}
+
+memory::data_type Dt(DType d) { return d == DType::kF32 ? memory::data_type::f32 : memory::data_type::bf16; }
+
+// Runs f with oneDNN seeing a single thread, so primitives are planned for one thread each.
+template <typename F>
+auto SingleThreaded(F&& f) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  auto r = f();
+  omp_set_num_threads(saved);
+  return r;
+}
+
+}  // namespace
+
+const char* DTypeName(DType d) { return d == DType::kF32 ? "f32" : "bf16"; }
+
+StatusOr<DType> ParseDType(const std::string& s) {
+  if (s == "f32") return DType::kF32;
+  if (s == "bf16") return DType::kBF16;
+  return InvalidArgument("dtype must be bf16 or f32, got '" + s + "'");
+}
+
+int PaddedRows(int m) {
+  const int full = m / kTileRows * kTileRows;
+  const int rem = m - full;
+  return rem == 0 ? full : full + kBuckets[BucketIndex(rem)];
+}
+
+GemmRuntime::GemmRuntime(int n_threads) : n_threads_(std::max(1, n_threads)), engine_(dnnl::engine::kind::cpu, 0) {
+  for (int t = 0; t < n_threads_; ++t) streams_.emplace_back(engine_);
+  scratch_.resize(n_threads_);
+}
+
+GemmRuntime::~GemmRuntime() = default;
+
+StatusOr<dnnl::matmul::primitive_desc> GemmRuntime::MakePd(int rows, int n, int k, int ld_out, DType dt, bool bias,
+                                                           const memory::desc& wei) {
+  try {
+    memory::desc src({rows, k}, Dt(dt), memory::dims{k, 1});
+    memory::desc dst({rows, n}, memory::data_type::f32, memory::dims{ld_out, 1});
+    memory::desc b = bias ? memory::desc({1, n}, memory::data_type::f32, tag::ab) : memory::desc();
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    return SingleThreaded([&] {
+      return bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, b, dst), attr, engine_)
+                  : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), attr, engine_);
+    });
+  } catch (const dnnl::error& e) {
+    return Internal(std::string("oneDNN matmul ") + std::to_string(rows) + "x" + std::to_string(k) + "x" +
+                    std::to_string(n) + ": " + e.what());
+  }
+}
+
+StatusOr<memory::desc> GemmRuntime::PreferredWeights(int n, int k, int ld_out, DType dt, bool bias) {
+  memory::desc any({k, n}, Dt(dt), tag::any);
+  QKV_ASSIGN_OR_RETURN(auto pd, MakePd(kTileRows, n, k, ld_out, dt, bias, any));
+  return pd.weights_desc();
+}
+
+StatusOr<const GemmRuntime::Prim*> GemmRuntime::Get(int rows, int n, int k, int ld_out, DType dt, bool bias,
+                                                    const memory::desc& wei) {
+  std::string key = std::to_string(rows) + "/" + std::to_string(n) + "/" + std::to_string(k) + "/" +
+                    std::to_string(ld_out) + "/" + DTypeName(dt) + (bias ? "/b/" : "/-/");
+  // The weight layout is part of the key: its serialized blob differs between layouts.
+  const dnnl_memory_desc_t& c = wei.data;
+  key.append(reinterpret_cast<const char*>(&c.format_desc), sizeof(c.format_desc));
+  key.append(reinterpret_cast<const char*>(&c.extra), sizeof(c.extra));
+  auto it = prims_.find(key);
+  if (it != prims_.end()) return it->second.get();
+  QKV_ASSIGN_OR_RETURN(auto pd, MakePd(rows, n, k, ld_out, dt, bias, wei));
+  if (pd.weights_desc() != wei) return Internal("oneDNN matmul rejected the shared weight layout");
+  auto p = std::make_unique<Prim>(Prim{dnnl::matmul(pd), pd});
+  const size_t need = pd.scratchpad_desc().get_size();
+  for (auto& s : scratch_) {
+    if (s.size() < need) s.resize(need);
+  }
+  const Prim* out = p.get();
+  prims_.emplace(std::move(key), std::move(p));
+  return out;
+}
+
+std::vector<std::string> GemmRuntime::KernelLog() const {
+  std::vector<std::string> out;
+  for (const auto& [key, p] : prims_) {
+    const auto s = p->pd.src_desc().dims();
+    const auto d = p->pd.dst_desc().dims();
+    out.push_back("M=" + std::to_string(s[0]) + " K=" + std::to_string(s[1]) + " N=" + std::to_string(d[1]) + " " +
+                  p->pd.impl_info_str());
+  }
+  return out;
+}
+
+StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w, const float* bias, int n, int k,
+                                                 DType dt) {
+  if (n <= 0 || k <= 0) return InvalidArgument("linear: empty shape");
+  auto lin = std::unique_ptr<Linear>(new Linear());
+  lin->rt_ = &rt;
+  lin->n_ = n;
+  lin->k_ = k;
+  lin->dt_ = dt;
+  const int nthr = rt.n_threads();
+  // Slices are multiples of 16 columns (a full f32 vector) so that a column never straddles two threads.
+  const int units = (n + 15) / 16;
+  int unit0 = 0;
+  for (int t = 0; t < nthr; ++t) {
+    const int u = units / nthr + (t < units % nthr ? 1 : 0);
+    Slice s;
+    s.n0 = std::min(n, unit0 * 16);
+    s.n = std::min(n, (unit0 + u) * 16) - s.n0;
+    unit0 += u;
+    if (s.n <= 0) continue;
+    try {
+      QKV_ASSIGN_OR_RETURN(memory::desc wd, rt.PreferredWeights(s.n, k, n, dt, bias != nullptr));
+      // Source: rows n0..n0+n of W ([n][k] row-major) viewed as a k x n matrix.
+      memory::desc user({k, s.n}, memory::data_type::f32, memory::dims{1, k});
+      memory user_mem(user, rt.engine(), const_cast<float*>(w + static_cast<size_t>(s.n0) * k));
+      s.weights = memory(wd, rt.engine());
+      dnnl::stream st(rt.engine());
+      dnnl::reorder(user_mem, s.weights).execute(st, user_mem, s.weights);
+      st.wait();
+      lin->weight_bytes_ += wd.get_size();
+      if (bias) {
+        s.bias = memory({{1, s.n}, memory::data_type::f32, tag::ab}, rt.engine());
+        std::memcpy(s.bias.get_data_handle(), bias + s.n0, sizeof(float) * s.n);
+      }
+      for (int b = 0; b < kNumBuckets; ++b) {
+        QKV_ASSIGN_OR_RETURN(const GemmRuntime::Prim* p, rt.Get(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
+        Slice::Bucket bk;
+        bk.p = p;
+        bk.src = memory(p->pd.src_desc(), rt.engine(), DNNL_MEMORY_NONE);
+        bk.dst = memory(p->pd.dst_desc(), rt.engine(), DNNL_MEMORY_NONE);
+        bk.scratch = memory(p->pd.scratchpad_desc(), rt.engine(), DNNL_MEMORY_NONE);
+        // Built once: the memories are handles, so Forward only re-points them.
+        bk.args = {{DNNL_ARG_SRC, bk.src}, {DNNL_ARG_WEIGHTS, s.weights}, {DNNL_ARG_DST, bk.dst},
+                   {DNNL_ARG_SCRATCHPAD, bk.scratch}};
+        if (bias) bk.args.insert({DNNL_ARG_BIAS, s.bias});
+        s.buckets.push_back(std::move(bk));
+      }
+    } catch (const dnnl::error& e) {
+      return Internal(std::string("linear: oneDNN: ") + e.what());
+    }
+    lin->slices_.push_back(std::move(s));
+  }
+  return lin;
+}
+
+void Linear::Forward(const void* x, int m, float* y) const {
+  if (m <= 0) return;
+  const size_t esz = DTypeBytes(dt_);
+  const int nslices = static_cast<int>(slices_.size());
+#pragma omp parallel num_threads(rt_->n_threads())
+  {
+    const int t = omp_get_thread_num();
+    if (t < nslices) {
+      const Slice& s = slices_[t];
+      for (int r0 = 0; r0 < m; r0 += kTileRows) {
+        const int rows = std::min(kTileRows, m - r0);
+        const Slice::Bucket& bk = s.buckets[BucketIndex(rows)];
+        bk.src.set_data_handle(const_cast<uint8_t*>(static_cast<const uint8_t*>(x)) + esz * r0 * k_);
+        bk.dst.set_data_handle(y + static_cast<size_t>(r0) * n_ + s.n0);
+        bk.scratch.set_data_handle(rt_->scratch(t));
+        bk.p->prim.execute(rt_->stream(t), bk.args);
+      }
+    }
+  }
+}
+
+}  // namespace qkv

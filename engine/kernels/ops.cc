@@ -1,0 +1,70 @@
+#include "engine/kernels/ops.h"
+
+#include <cmath>
+
+namespace qkv {
+
+float Dot(const float* a, const float* b, int n) {
+  constexpr int L = 16;
+  float acc[L] = {};
+  int i = 0;
+  for (; i + L <= n; i += L) {
+    for (int l = 0; l < L; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  // Pairwise, fixed order.
+  for (int w = L / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
+void RmsNorm(const float* x, const float* w, float* out, int n, float eps) {
+  const float ss = Dot(x, x, n);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+void SiluMul(const float* gate, const float* up, float* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void AddInPlace(float* x, const float* y, int n) {
+  for (int i = 0; i < n; ++i) x[i] += y[i];
+}
+
+RopeTable::RopeTable(int rotary_dim, double theta, int max_positions)
+    : rotary_dim_(rotary_dim), max_positions_(max_positions) {
+  const int half = rotary_dim / 2;
+  cos_.resize(static_cast<size_t>(max_positions) * half);
+  sin_.resize(cos_.size());
+  for (int p = 0; p < max_positions; ++p) {
+    for (int i = 0; i < half; ++i) {
+      const double freq = std::pow(theta, -2.0 * i / rotary_dim);
+      const double a = p * freq;
+      cos_[static_cast<size_t>(p) * half + i] = static_cast<float>(std::cos(a));
+      sin_[static_cast<size_t>(p) * half + i] = static_cast<float>(std::sin(a));
+    }
+  }
+}
+
+void RopeTable::Apply(float* h, int pos, RopeStyle style) const {
+  const int half = rotary_dim_ / 2;
+  const float* c = &cos_[static_cast<size_t>(pos) * half];
+  const float* s = &sin_[static_cast<size_t>(pos) * half];
+  if (style == RopeStyle::kInterleaved) {
+    for (int i = 0; i < half; ++i) {
+      const float x0 = h[2 * i], x1 = h[2 * i + 1];
+      h[2 * i] = x0 * c[i] - x1 * s[i];
+      h[2 * i + 1] = x0 * s[i] + x1 * c[i];
+    }
+  } else {
+    for (int i = 0; i < half; ++i) {
+      const float x0 = h[i], x1 = h[i + half];
+      h[i] = x0 * c[i] - x1 * s[i];
+      h[i + half] = x0 * s[i] + x1 * c[i];
+    }
+  }
+}
+
+}  // namespace qkv

@@ -1,0 +1,81 @@
+// The KV arena: K and V of every layer, cut into blocks of block_size token slots.
+//
+// Layout of each of K and V: [layer][block][kv_head][slot][head_dim], so one kv head's keys inside a
+// block are contiguous. A sequence addresses its tokens through a BlockTable (block ids in position
+// order): position p lives in block table[p / block_size], slot p % block_size.
+//
+// The arena is allocated and touched once at start-up. This class only stores; ownership of blocks
+// (free list, reference counts, prefix sharing) belongs to the block manager that hands out ids.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/kernels/linear.h"
+#include "engine/status.h"
+
+namespace qkv {
+
+struct KvCacheShape {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 16;
+  int64_t n_blocks = 0;
+  DType dtype = DType::kBF16;
+  int64_t bytes_per_token() const { return int64_t{n_layers} * 2 * n_kv_heads * head_dim * DTypeBytes(dtype); }
+  int64_t bytes_per_block() const { return bytes_per_token() * block_size; }
+};
+
+class KvCache {
+ public:
+  static StatusOr<std::unique_ptr<KvCache>> Create(const KvCacheShape& shape);
+  ~KvCache();
+  const KvCacheShape& shape() const { return shape_; }
+  int64_t arena_bytes() const { return bytes_; }
+
+  // Start of the keys (values) of one kv head in one block: block_size rows of head_dim elements.
+  uint8_t* K(int layer, int block, int head) { return k_ + Offset(layer, block, head); }
+  uint8_t* V(int layer, int block, int head) { return v_ + Offset(layer, block, head); }
+  const uint8_t* K(int layer, int block, int head) const { return k_ + Offset(layer, block, head); }
+  const uint8_t* V(int layer, int block, int head) const { return v_ + Offset(layer, block, head); }
+
+ private:
+  KvCache() = default;
+  size_t Offset(int layer, int block, int head) const {
+    return ((static_cast<size_t>(layer) * shape_.n_blocks + block) * shape_.n_kv_heads + head) * head_stride_;
+  }
+  KvCacheShape shape_;
+  size_t head_stride_ = 0;  // bytes of one head's slots in a block
+  int64_t bytes_ = 0;       // K and V together
+  uint8_t* k_ = nullptr;
+  uint8_t* v_ = nullptr;
+};
+
+// A minimal owner of blocks: a free list. The block manager of the batching engine replaces it.
+class BlockPool {
+ public:
+  explicit BlockPool(int64_t n_blocks);
+  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
+  int64_t total_blocks() const { return total_; }
+  // A free block id, or -1 when none is left.
+  int Allocate();
+  void Free(int block);
+
+ private:
+  int64_t total_;
+  std::vector<int> free_;
+};
+
+// One sequence's view of the cache: its blocks and how many positions hold K/V.
+struct SeqKv {
+  std::vector<int> blocks;
+  int n_tokens = 0;
+};
+
+// Ensures seq has blocks for `n_tokens` positions, taking them from pool; ResourceExhausted if short.
+Status ReserveBlocks(SeqKv& seq, int n_tokens, int block_size, BlockPool& pool);
+// Returns all of seq's blocks to the pool and empties it.
+void ReleaseBlocks(SeqKv& seq, BlockPool& pool);
+
+}  // namespace qkv

@@ -1,0 +1,103 @@
+// A loaded decoder-only transformer and its forward pass over a batch of sequence chunks.
+//
+// Per layer, top to bottom like the math:
+//   h = RMSNorm(x) → [q | gate | k | v] = h · W_QKVᵀ (+ b) → q/k RMSNorm (optional) → RoPE(q, k)
+//   → store k, v → causal attention over the cache (sinks optional) → × sigmoid(gate) (optional)
+//   → x += attn · W_Oᵀ → h = RMSNorm(x) → [g | u] = h · W_GUᵀ → x += (silu(g) · u) · W_downᵀ
+// then the final RMSNorm and the LM head on the rows whose logits are wanted.
+//
+// All scratch memory is sized at load from the batch limit and the context length; Forward allocates
+// nothing.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/kernels/linear.h"
+#include "engine/kernels/ops.h"
+#include "engine/kv_cache.h"
+#include "engine/model_config.h"
+#include "engine/tokenizer.h"
+
+namespace qkv {
+
+struct ModelOptions {
+  DType weights_dtype = DType::kBF16;
+  DType kv_dtype = DType::kBF16;
+  int n_threads = 2;
+  int max_batch_tokens = 512;  // tokens in one forward pass
+  int max_context = 0;         // 0: the model's context length
+  int block_size = 16;
+  int64_t kv_blocks = 0;       // 0: enough for one sequence of max_context
+};
+
+// One sequence's share of a batch: its new tokens, placed at positions seq->n_tokens onwards.
+struct BatchChunk {
+  SeqKv* seq = nullptr;
+  std::span<const int> tokens;
+  bool all_logits = false;  // logits for every new token (else only for the last)
+};
+
+class Model {
+ public:
+  static StatusOr<std::unique_ptr<Model>> Load(const std::string& path, const ModelOptions& opt);
+  ~Model();
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelOptions& options() const { return opt_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  KvCache& kv() { return *kv_; }
+  BlockPool& blocks() { return *pool_; }
+  int max_context() const { return max_ctx_; }
+  // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.
+  size_t weight_bytes() const { return weight_bytes_; }
+  // Bytes the LM head, QKV/O/FFN GEMMs read per decoded token (the bandwidth roofline's numerator).
+  size_t weight_bytes_per_token() const { return weight_bytes_per_token_; }
+  const GemmRuntime& gemm() const { return *rt_; }
+
+  // Runs the batch. Each chunk's tokens are appended to its sequence (blocks must be reserved first,
+  // see ReserveBlocks). Logits rows come out in chunk order: all of a chunk's tokens if all_logits, else
+  // its last; they stay valid until the next Forward.
+  Status Forward(std::span<const BatchChunk> batch);
+  const float* logits() const { return logits_.data(); }
+  int logits_rows() const { return logits_rows_; }
+
+ private:
+  Model() = default;
+  struct Layer {
+    std::vector<float> attn_norm, ffn_norm, q_norm, k_norm, sinks;
+    std::unique_ptr<Linear> qkv, o, gate_up, down;
+  };
+  Status LoadWeights(const GgufFile& f);
+  void ToComputeInput(const float* x, int rows, int k);  // into in_lp_ (bf16) when weights are bf16
+  const void* ComputeInput(const float* x) const;
+
+  ModelConfig cfg_;
+  ModelOptions opt_;
+  int max_ctx_ = 0;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<GemmRuntime> rt_;
+  std::unique_ptr<KvCache> kv_;
+  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<RopeTable> rope_;
+  std::vector<Layer> layers_;
+  std::vector<float> embed_f32_;     // [vocab][hidden] when weights are f32
+  std::vector<uint16_t> embed_bf16_;  // [vocab][hidden] when weights are bf16
+  std::vector<float> final_norm_;
+  std::unique_ptr<Linear> lm_head_;
+  size_t weight_bytes_ = 0;
+  size_t weight_bytes_per_token_ = 0;
+
+  // Scratch, sized at load.
+  int rows_cap_ = 0;
+  std::vector<float> x_, h_, qkv_, attn_, tmp_, gu_, act_, logits_;
+  std::vector<uint16_t> in_lp_;
+  std::vector<float> attn_scratch_;  // per thread
+  size_t attn_scratch_stride_ = 0;
+  std::vector<int> tok_chunk_, tok_pos_, logit_src_;
+  int logits_rows_ = 0;
+};
+
+}  // namespace qkv

@@ -1,0 +1,69 @@
+#include "engine/random_model.h"
+
+#include <cmath>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "engine/tokenizer.h"
+
+namespace qkv {
+
+Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, const std::string& path) {
+  QKV_RETURN_IF_ERROR(cfg.Validate());
+  if (opt.dtype == GgmlType::kQ8_0 && (cfg.hidden % 32 != 0 || cfg.ffn % 32 != 0 || cfg.q_dim() % 32 != 0)) {
+    return InvalidArgument("q8_0 needs hidden_size, intermediate_size and heads × head_dim divisible by 32");
+  }
+  GgufWriter w;
+  cfg.ToGguf(w);
+  w.SetString("general.name", std::string("qkvserve random ") + ArchName(cfg.arch));
+  w.SetU32("general.file_type", opt.dtype == GgmlType::kF32 ? 0 : opt.dtype == GgmlType::kF16 ? 1 : opt.dtype == GgmlType::kQ8_0 ? 7 : 32);
+  QKV_ASSIGN_OR_RETURN(BpeVocab vocab, MakeSyntheticByteBpe(cfg.vocab, opt.seed));
+  vocab.ToGguf(w);
+
+  Rng rng(opt.seed * 0x9E3779B97F4A7C15ull + 1);
+  auto uniform = [&](size_t n, double stddev, double mean) {
+    std::vector<float> v(n);
+    const double a = std::sqrt(3.0) * stddev;
+    for (auto& x : v) x = static_cast<float>(mean + (2.0 * rng.Uniform() - 1.0) * a);
+    return v;
+  };
+  auto matrix = [&](const std::string& name, int rows, int cols, double stddev) {
+    std::vector<float> v = uniform(static_cast<size_t>(rows) * cols, stddev, 0.0);
+    w.AddTensor(name, opt.dtype, {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)},
+                EncodeFromF32(v.data(), v.size(), opt.dtype));
+  };
+  auto vec = [&](const std::string& name, int n, double stddev, double mean) {
+    std::vector<float> v = uniform(n, stddev, mean);
+    w.AddTensor(name, GgmlType::kF32, {static_cast<uint64_t>(n)}, EncodeFromF32(v.data(), v.size(), GgmlType::kF32));
+  };
+  const int H = cfg.hidden;
+  const int q_rows = cfg.q_dim() * (cfg.attn_output_gate ? 2 : 1);
+  matrix("token_embd.weight", cfg.vocab, H, 1.0);
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    vec(p + "attn_norm.weight", H, 0.1, 1.0);
+    matrix(p + "attn_q.weight", q_rows, H, 1.0 / std::sqrt(H));
+    matrix(p + "attn_k.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
+    matrix(p + "attn_v.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
+    if (cfg.attention_bias) {
+      vec(p + "attn_q.bias", q_rows, 0.1, 0.0);
+      vec(p + "attn_k.bias", cfg.kv_dim(), 0.1, 0.0);
+      vec(p + "attn_v.bias", cfg.kv_dim(), 0.1, 0.0);
+    }
+    if (cfg.qk_norm) {
+      vec(p + "attn_q_norm.weight", cfg.head_dim, 0.1, 1.0);
+      vec(p + "attn_k_norm.weight", cfg.head_dim, 0.1, 1.0);
+    }
+    if (cfg.attention_sinks) vec(p + "attn_sinks.weight", cfg.n_heads, 1.0, 0.0);
+    matrix(p + "attn_output.weight", H, cfg.q_dim(), 1.0 / std::sqrt(cfg.q_dim()));
+    vec(p + "ffn_norm.weight", H, 0.1, 1.0);
+    matrix(p + "ffn_gate.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
+    matrix(p + "ffn_up.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
+    matrix(p + "ffn_down.weight", H, cfg.ffn, 1.0 / std::sqrt(cfg.ffn));
+  }
+  vec("output_norm.weight", H, 0.1, 1.0);
+  if (!cfg.tied_embeddings) matrix("output.weight", cfg.vocab, H, 1.0 / std::sqrt(H));
+  return w.WriteFile(path);
+}
+
+}  // namespace qkv

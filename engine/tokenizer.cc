@@ -1,0 +1,344 @@
+#include "engine/tokenizer.h"
+
+#include "engine/utf8.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
+#include <random>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace qkv {
+namespace {
+
+std::string CodepointToUtf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    s += static_cast<char>(0xE0 | (cp >> 12));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// GPT-2's pre-tokenizer pattern.
+constexpr const char* kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+class Pcre2Splitter {
+ public:
+  static StatusOr<std::unique_ptr<Pcre2Splitter>> Create(const char* pattern) {
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern), PCRE2_ZERO_TERMINATED,
+                                     PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &off, nullptr);
+    if (!code) return Internal("tokenizer: cannot compile pre-tokenizer regex");
+    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter if JIT is unavailable
+    auto s = std::unique_ptr<Pcre2Splitter>(new Pcre2Splitter());
+    s->code_ = code;
+    return s;
+  }
+  ~Pcre2Splitter() { pcre2_code_free(code_); }
+
+  // Calls fn(piece) for each pre-token; bytes the pattern does not match are passed through as pieces.
+  template <typename Fn>
+  void Split(std::string_view text, Fn&& fn) const {
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
+    size_t pos = 0;
+    // Invalid UTF-8 would make PCRE2 refuse the subject: validate once and fall back to byte pieces.
+    const bool valid = IsValidUtf8(text);
+    while (pos < text.size()) {
+      if (!valid) {
+        fn(text.substr(pos));
+        break;
+      }
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos,
+                                 PCRE2_NO_UTF_CHECK, md, nullptr);
+      if (rc < 0) {
+        fn(text.substr(pos));
+        break;
+      }
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      if (ov[0] > pos) fn(text.substr(pos, ov[0] - pos));
+      if (ov[1] == ov[0]) {  // empty match: advance one code point
+        size_t n = 1;
+        while (ov[0] + n < text.size() && (static_cast<unsigned char>(text[ov[0] + n]) & 0xC0) == 0x80) ++n;
+        fn(text.substr(ov[0], n));
+        pos = ov[0] + n;
+      } else {
+        fn(text.substr(ov[0], ov[1] - ov[0]));
+        pos = ov[1];
+      }
+    }
+    pcre2_match_data_free(md);
+  }
+
+ private:
+  Pcre2Splitter() = default;
+  pcre2_code* code_ = nullptr;
+};
+
+// Byte-level BPE over token ids: each byte starts as its byte token; the lowest-ranked adjacent pair
+// is merged until no pair has a rank.
+class ByteBpeTokenizer final : public Tokenizer {
+ public:
+  static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
+                                                     const std::vector<int32_t>& types,
+                                                     const std::vector<std::string>& merges, int bos,
+                                                     int eos, bool add_bos) {
+    auto t = std::unique_ptr<ByteBpeTokenizer>(new ByteBpeTokenizer());
+    QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(kGpt2Pattern));
+    const int n = static_cast<int>(tokens.size());
+    // Reverse of ByteToUnicode.
+    std::unordered_map<std::string, uint8_t> unicode_to_byte;
+    for (int b = 0; b < 256; ++b) unicode_to_byte[ByteToUnicode()[b]] = static_cast<uint8_t>(b);
+    t->bytes_.resize(n);
+    t->special_.assign(n, false);
+    std::unordered_map<std::string, int> id_of;
+    for (int i = 0; i < n; ++i) {
+      const std::string& s = tokens[i];
+      const int type = i < static_cast<int>(types.size()) ? types[i] : 1;
+      if (type == 3 || type == 4) {  // control / user-defined: text as is
+        t->special_[i] = true;
+        t->bytes_[i] = s;
+        if (!s.empty()) t->specials_.emplace_back(s, i);
+      } else {
+        std::string raw;
+        size_t p = 0;
+        while (p < s.size()) {
+          size_t len = 1;
+          while (p + len < s.size() && (static_cast<unsigned char>(s[p + len]) & 0xC0) == 0x80) ++len;
+          auto it = unicode_to_byte.find(s.substr(p, len));
+          if (it == unicode_to_byte.end()) {
+            raw = s;  // not in the byte alphabet: keep the text (as llama.cpp does for such tokens)
+            break;
+          }
+          raw += static_cast<char>(it->second);
+          p += len;
+        }
+        t->bytes_[i] = raw;
+      }
+      id_of.emplace(s, i);
+    }
+    for (int b = 0; b < 256; ++b) {
+      auto it = id_of.find(ByteToUnicode()[b]);
+      if (it == id_of.end()) {
+        return DataLoss("tokenizer: byte-level BPE vocabulary lacks the token for byte " + std::to_string(b));
+      }
+      t->byte_token_[b] = it->second;
+    }
+    for (size_t r = 0; r < merges.size(); ++r) {
+      const std::string& m = merges[r];
+      const size_t sp = m.find(' ', 1);
+      if (sp == std::string::npos) return DataLoss("tokenizer: malformed merge #" + std::to_string(r));
+      const std::string a = m.substr(0, sp), b = m.substr(sp + 1);
+      auto ia = id_of.find(a), ib = id_of.find(b), im = id_of.find(a + b);
+      if (ia == id_of.end() || ib == id_of.end() || im == id_of.end()) continue;  // unusable merge
+      t->merge_.emplace(Key(ia->second, ib->second), std::make_pair(static_cast<int>(r), im->second));
+    }
+    // Longest specials first so that overlapping ones match greedily.
+    std::sort(t->specials_.begin(), t->specials_.end(),
+              [](const auto& x, const auto& y) { return x.first.size() > y.first.size(); });
+    t->bos_id_ = bos;
+    t->eos_id_ = eos;
+    t->add_bos_ = add_bos;
+    return std::unique_ptr<Tokenizer>(std::move(t));
+  }
+
+  std::vector<int> Encode(std::string_view text, bool parse_special) const override {
+    std::vector<int> out;
+    if (!parse_special || specials_.empty()) {
+      EncodeOrdinary(text, out);
+      return out;
+    }
+    size_t pos = 0;
+    while (pos < text.size()) {
+      size_t best = std::string_view::npos;
+      int best_id = -1;
+      size_t best_len = 0;
+      for (const auto& [s, id] : specials_) {
+        const size_t f = text.find(s, pos);
+        if (f != std::string_view::npos && (f < best || (f == best && s.size() > best_len))) {
+          best = f;
+          best_id = id;
+          best_len = s.size();
+        }
+      }
+      if (best == std::string_view::npos) {
+        EncodeOrdinary(text.substr(pos), out);
+        break;
+      }
+      EncodeOrdinary(text.substr(pos, best - pos), out);
+      out.push_back(best_id);
+      pos = best + best_len;
+    }
+    return out;
+  }
+
+  const std::string& TokenBytes(int id) const override {
+    static const std::string kEmpty;
+    return id >= 0 && id < static_cast<int>(bytes_.size()) ? bytes_[id] : kEmpty;
+  }
+  int vocab_size() const override { return static_cast<int>(bytes_.size()); }
+  bool IsSpecial(int id) const override { return id >= 0 && id < vocab_size() && special_[id]; }
+
+ private:
+  static uint64_t Key(int a, int b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
+
+  void EncodeOrdinary(std::string_view text, std::vector<int>& out) const {
+    if (text.empty()) return;
+    std::vector<int> sym;
+    splitter_->Split(text, [&](std::string_view piece) {
+      sym.clear();
+      for (char c : piece) sym.push_back(byte_token_[static_cast<unsigned char>(c)]);
+      while (sym.size() > 1) {
+        int best_rank = INT32_MAX, best_i = -1, best_id = -1;
+        for (size_t i = 0; i + 1 < sym.size(); ++i) {
+          auto it = merge_.find(Key(sym[i], sym[i + 1]));
+          if (it != merge_.end() && it->second.first < best_rank) {
+            best_rank = it->second.first;
+            best_i = static_cast<int>(i);
+            best_id = it->second.second;
+          }
+        }
+        if (best_i < 0) break;
+        sym[best_i] = best_id;
+        sym.erase(sym.begin() + best_i + 1);
+      }
+      out.insert(out.end(), sym.begin(), sym.end());
+    });
+  }
+
+  std::unique_ptr<Pcre2Splitter> splitter_;
+  std::vector<std::string> bytes_;
+  std::vector<bool> special_;
+  std::vector<std::pair<std::string, int>> specials_;
+  int byte_token_[256] = {};
+  std::unordered_map<uint64_t, std::pair<int, int>> merge_;  // (a, b) -> (rank, merged id)
+};
+
+std::vector<std::string> StringArray(const GgufValue& v) {
+  std::vector<std::string> out;
+  out.reserve(v.array.size());
+  for (const GgufValue& e : v.array) out.push_back(e.s);
+  return out;
+}
+
+}  // namespace
+
+std::string Tokenizer::Decode(std::span<const int> ids) const {
+  std::string s;
+  for (int id : ids) s += TokenBytes(id);
+  return s;
+}
+
+const std::vector<std::string>& ByteToUnicode() {
+  static const std::vector<std::string> table = [] {
+    std::vector<std::string> t(256);
+    int n = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      t[b] = CodepointToUtf8(printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++));
+    }
+    return t;
+  }();
+  return table;
+}
+
+StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
+  QKV_ASSIGN_OR_RETURN(std::string model, f.GetString("tokenizer.ggml.model"));
+  if (model != "gpt2") {
+    return Unimplemented("tokenizer: tokenizer.ggml.model '" + model + "' is not supported yet (supported: gpt2)");
+  }
+  const std::string pre = f.GetStringOr("tokenizer.ggml.pre", "default");
+  if (pre != "default" && pre != "gpt2") {
+    return Unimplemented("tokenizer: pre-tokenizer '" + pre + "' is not supported yet (supported: default, gpt2)");
+  }
+  const GgufValue* toks = f.Find("tokenizer.ggml.tokens");
+  if (!toks || toks->type != GgufType::kArray || toks->array_type != GgufType::kString || toks->array.empty()) {
+    return DataLoss("tokenizer: 'tokenizer.ggml.tokens' must be a non-empty string array");
+  }
+  std::vector<int32_t> types;
+  if (const GgufValue* tt = f.Find("tokenizer.ggml.token_type")) {
+    if (tt->type != GgufType::kArray || (!tt->array.empty() && !tt->array[0].is_integer()) ||
+        tt->array.size() != toks->array.size()) {
+      return DataLoss("tokenizer: 'tokenizer.ggml.token_type' must be an integer array as long as the tokens");
+    }
+    for (const GgufValue& e : tt->array) types.push_back(static_cast<int32_t>(e.i));
+  }
+  std::vector<std::string> merges;
+  if (const GgufValue* m = f.Find("tokenizer.ggml.merges")) {
+    if (m->type != GgufType::kArray || m->array_type != GgufType::kString) {
+      return DataLoss("tokenizer: 'tokenizer.ggml.merges' must be a string array");
+    }
+    merges = StringArray(*m);
+  }
+  const int n = static_cast<int>(toks->array.size());
+  const int64_t eos = f.GetIntOr("tokenizer.ggml.eos_token_id", -1);
+  const int64_t bos = f.GetIntOr("tokenizer.ggml.bos_token_id", eos);
+  if (eos >= n || bos >= n || eos < -1 || bos < -1) return DataLoss("tokenizer: BOS/EOS id outside the vocabulary");
+  const bool add_bos = f.GetBoolOr("tokenizer.ggml.add_bos_token", false);
+  return ByteBpeTokenizer::Create(StringArray(*toks), types, merges, static_cast<int>(bos),
+                                  static_cast<int>(eos), add_bos);
+}
+
+void BpeVocab::ToGguf(GgufWriter& w) const {
+  w.SetString("tokenizer.ggml.model", "gpt2");
+  w.SetString("tokenizer.ggml.pre", "gpt2");
+  w.SetStringArray("tokenizer.ggml.tokens", tokens);
+  w.SetI32Array("tokenizer.ggml.token_type", types);
+  w.SetStringArray("tokenizer.ggml.merges", merges);
+  w.SetU32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(eos_id));
+  w.SetU32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(eos_id));
+  w.SetBool("tokenizer.ggml.add_bos_token", false);
+}
+
+StatusOr<BpeVocab> MakeSyntheticByteBpe(int vocab_size, uint64_t seed) {
+  if (vocab_size < 257) return InvalidArgument("vocab_size must be at least 257 for a byte-level BPE vocabulary");
+  BpeVocab v;
+  const auto& b2u = ByteToUnicode();
+  for (int b = 0; b < 256; ++b) v.tokens.push_back(b2u[b]);
+  std::unordered_set<std::string> have(v.tokens.begin(), v.tokens.end());
+  const std::string space = b2u[' '];
+  std::vector<int> words;  // ids of tokens that are letters only
+  for (int c = 'a'; c <= 'z'; ++c) words.push_back(c);
+  for (int c = 'A'; c <= 'Z'; ++c) words.push_back(c);
+  std::vector<int> heads = words;  // ids that may start a merge: letters and space-prefixed letters
+  auto add = [&](int a, int b) {
+    const std::string m = v.tokens[a] + v.tokens[b];
+    v.merges.push_back(v.tokens[a] + " " + v.tokens[b]);
+    v.tokens.push_back(m);
+    have.insert(m);
+    return static_cast<int>(v.tokens.size()) - 1;
+  };
+  const int n_merges = vocab_size - 257;
+  // First " x" for every letter x, so that words after a space can grow.
+  for (int w : std::vector<int>(words)) {
+    if (static_cast<int>(v.merges.size()) >= n_merges) break;
+    heads.push_back(add(' ', w));
+  }
+  std::mt19937_64 rng(seed);
+  while (static_cast<int>(v.merges.size()) < n_merges) {
+    const int a = heads[rng() % heads.size()];
+    const int b = words[rng() % words.size()];
+    if (v.tokens[a].size() + v.tokens[b].size() > 24) continue;
+    if (have.count(v.tokens[a] + v.tokens[b])) continue;
+    const int id = add(a, b);
+    heads.push_back(id);
+    if (v.tokens[a].rfind(space, 0) != 0) words.push_back(id);
+  }
+  v.types.assign(v.tokens.size(), 1);
+  v.tokens.push_back("<|endoftext|>");
+  v.types.push_back(3);
+  v.eos_id = static_cast<int>(v.tokens.size()) - 1;
+  return v;
+}
+
+}  // namespace qkv
