@@ -177,7 +177,7 @@ int main(int argc, char** argv) {
     if (!s.ok()) return Fail(s);
     last.assign(m.logits(), m.logits() + vocab);
   }
-  std::cout << text.Finish() << "\n";
+  std::cout << text.Finish() << std::endl;
   const auto t2 = std::chrono::steady_clock::now();
   const double pre = std::chrono::duration<double>(t1 - t0).count();
   const double dec = std::chrono::duration<double>(t2 - t1).count();

@@ -53,6 +53,7 @@ int PaddedRows(int m) {
 GemmRuntime::GemmRuntime(int n_threads) : n_threads_(std::max(1, n_threads)), engine_(dnnl::engine::kind::cpu, 0) {
   for (int t = 0; t < n_threads_; ++t) streams_.emplace_back(engine_);
   scratch_.resize(n_threads_);
+  out_.resize(n_threads_);
 }
 
 GemmRuntime::~GemmRuntime() = default;
@@ -61,7 +62,8 @@ StatusOr<dnnl::matmul::primitive_desc> GemmRuntime::MakePd(int rows, int n, int 
                                                            const memory::desc& wei) {
   try {
     memory::desc src({rows, k}, Dt(dt), memory::dims{k, 1});
-    memory::desc dst({rows, n}, memory::data_type::f32, memory::dims{ld_out, 1});
+    // A dense destination: with a row stride other than n, oneDNN 2.6 falls back from brgemm to gemm:jit.
+    memory::desc dst({rows, n}, memory::data_type::f32, memory::dims{n, 1});
     memory::desc b = bias ? memory::desc({1, n}, memory::data_type::f32, tag::ab) : memory::desc();
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -97,6 +99,10 @@ StatusOr<const GemmRuntime::Prim*> GemmRuntime::Get(int rows, int n, int k, int 
   const size_t need = pd.scratchpad_desc().get_size();
   for (auto& s : scratch_) {
     if (s.size() < need) s.resize(need);
+  }
+  const size_t out_need = static_cast<size_t>(rows) * n;
+  for (auto& o : out_) {
+    if (o.size() < out_need) o.resize(out_need);
   }
   const Prim* out = p.get();
   prims_.emplace(std::move(key), std::move(p));
@@ -181,9 +187,13 @@ void Linear::Forward(const void* x, int m, float* y) const {
         const int rows = std::min(kTileRows, m - r0);
         const Slice::Bucket& bk = s.buckets[BucketIndex(rows)];
         bk.src.set_data_handle(const_cast<uint8_t*>(static_cast<const uint8_t*>(x)) + esz * r0 * k_);
-        bk.dst.set_data_handle(y + static_cast<size_t>(r0) * n_ + s.n0);
+        float* out = rt_->out(t);
+        bk.dst.set_data_handle(out);
         bk.scratch.set_data_handle(rt_->scratch(t));
         bk.p->prim.execute(rt_->stream(t), bk.args);
+        for (int r = 0; r < rows; ++r) {
+          std::memcpy(y + static_cast<size_t>(r0 + r) * n_ + s.n0, out + static_cast<size_t>(r) * s.n, sizeof(float) * s.n);
+        }
       }
     }
   }

@@ -3,7 +3,8 @@
 // Row independence. A row's output must have the same bits whatever M is and whatever other rows are in
 // the call (continuous batching mixes requests in one GEMM). oneDNN promises nothing here, so:
 //   * the N columns are split into one contiguous slice per compute thread, and each thread runs its own
-//     single-threaded primitive on its slice: no K-splitting, no cross-thread reduction;
+//     single-threaded primitive on its slice (no K-splitting, no cross-thread reduction) into a dense
+//     buffer of its own, copied into place (a strided destination would demote brgemm to gemm:jit);
 //   * M is padded up to a bucket (1, 2, 4, ..., kTileRows) and larger M runs as kTileRows-row tiles,
 //     so only a fixed set of primitives ever runs, all created at start-up against one weight layout.
 // tests/linear_test.cc checks every row of M = 1..200 against M = 1 for each shape and dtype.
@@ -49,6 +50,8 @@ class GemmRuntime {
   // The weight layout oneDNN prefers for an [n, k] slice at the largest bucket.
   StatusOr<dnnl::memory::desc> PreferredWeights(int n, int k, int ld_out, DType dt, bool bias);
   void* scratch(int thread) { return scratch_[thread].data(); }
+  // A dense [kTileRows x slice] output buffer per thread (see Linear::Forward).
+  float* out(int thread) { return out_[thread].data(); }
   dnnl::stream& stream(int thread) { return streams_[thread]; }
   // One line per distinct primitive: shape and the kernel oneDNN picked.
   std::vector<std::string> KernelLog() const;
@@ -60,6 +63,7 @@ class GemmRuntime {
   dnnl::engine engine_;
   std::vector<dnnl::stream> streams_;
   std::vector<std::vector<uint8_t>> scratch_;
+  std::vector<std::vector<float>> out_;
   std::map<std::string, std::unique_ptr<Prim>> prims_;
 };
 

@@ -1,0 +1,182 @@
+#include "engine/gguf.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+#include <random>
+
+#include "engine/model.h"
+#include "engine/tokenizer.h"
+#include "tests/test_util.h"
+
+namespace qkv {
+namespace {
+
+std::vector<uint8_t> ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+TEST(Gguf, RoundTripsMetadataAndTensors) {
+  GgufWriter w;
+  w.SetString("general.architecture", "llama");
+  w.SetU32("a.u32", 7);
+  w.SetF32("a.f32", 1.5f);
+  w.SetBool("a.bool", true);
+  w.SetStringArray("a.strs", {"x", "", "yz"});
+  w.SetI32Array("a.ints", {-1, 2});
+  const float vals[64] = {1, -2, 3.5f};
+  w.AddTensor("t.f32", GgmlType::kF32, {4, 16}, EncodeFromF32(vals, 64, GgmlType::kF32));
+  w.AddTensor("t.q8", GgmlType::kQ8_0, {64}, EncodeFromF32(vals, 64, GgmlType::kQ8_0));
+  const auto bytes = w.Serialize();
+  auto f = GgufFile::Parse(bytes);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(*(*f)->GetInt("a.u32"), 7);
+  EXPECT_EQ(*(*f)->GetFloat("a.f32"), 1.5);
+  EXPECT_TRUE(*(*f)->GetBool("a.bool"));
+  EXPECT_EQ((*f)->Find("a.strs")->array.size(), 3u);
+  EXPECT_EQ((*f)->Find("a.strs")->array[2].s, "yz");
+  EXPECT_EQ((*f)->Find("a.ints")->array[0].i, -1);
+  const GgufTensor* t = (*f)->FindTensor("t.f32");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->ne, (std::vector<uint64_t>{4, 16}));
+  std::vector<float> back(64);
+  ASSERT_TRUE(DequantizeToF32(*t, back.data()).ok());
+  EXPECT_EQ(back[1], -2.0f);
+  const GgufTensor* q = (*f)->FindTensor("t.q8");
+  ASSERT_TRUE(DequantizeToF32(*q, back.data()).ok());
+  EXPECT_NEAR(back[2], 3.5f, 0.02f);
+  EXPECT_FALSE((*f)->GetInt("missing").ok());
+  EXPECT_EQ((*f)->GetString("a.u32").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Gguf, RejectsBadMagicVersionAndTruncation) {
+  GgufWriter w;
+  w.SetString("general.architecture", "llama");
+  auto bytes = w.Serialize();
+  auto bad = bytes;
+  bad[0] = 'X';
+  auto r = GgufFile::Parse(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("magic"), std::string::npos);
+  bad = bytes;
+  bad[4] = 9;
+  r = GgufFile::Parse(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("version"), std::string::npos);
+  r = GgufFile::Parse(std::span<const uint8_t>(bytes.data(), 60));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("truncated"), std::string::npos);
+}
+
+TEST(Gguf, RejectsUnknownTensorTypeAndAbsurdCounts) {
+  GgufWriter w;
+  const float v[4] = {};
+  w.AddTensor("t", GgmlType::kF32, {4}, EncodeFromF32(v, 4, GgmlType::kF32));
+  auto bytes = w.Serialize();
+  // Tensor info: magic(4) version(4) counts(16) name(8+1) n_dims(4) ne(8) type(4).
+  const size_t type_at = 24 + 9 + 4 + 8;
+  auto bad = bytes;
+  bad[type_at] = 2;  // q4_0: not supported
+  auto r = GgufFile::Parse(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("unsupported ggml type"), std::string::npos);
+  bad = bytes;
+  bad[8 + 7] = 0x7f;  // tensor count ~ 2^63
+  r = GgufFile::Parse(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("absurd"), std::string::npos);
+}
+
+TEST(Gguf, ModelLoadNamesMissingAndMisshapenTensors) {
+  const std::string path = testing::WriteModel(testing::SmallConfig(), "shape_src");
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok());
+  // Rebuild the file without one tensor, and with one tensor of the wrong shape.
+  for (int variant = 0; variant < 2; ++variant) {
+    GgufWriter w;
+    for (const auto& [key, v] : (*f)->metadata()) {
+      if (v.type == GgufType::kString) w.SetString(key, v.s);
+      else if (v.type == GgufType::kU32) w.SetU32(key, static_cast<uint32_t>(v.u));
+      else if (v.type == GgufType::kF32) w.SetF32(key, static_cast<float>(v.f));
+      else if (v.type == GgufType::kBool) w.SetBool(key, v.u != 0);
+      else if (v.type == GgufType::kArray && v.array_type == GgufType::kString) {
+        std::vector<std::string> s;
+        for (const auto& e : v.array) s.push_back(e.s);
+        w.SetStringArray(key, s);
+      } else if (v.type == GgufType::kArray) {
+        std::vector<int32_t> s;
+        for (const auto& e : v.array) s.push_back(static_cast<int32_t>(e.i));
+        w.SetI32Array(key, s);
+      }
+    }
+    for (const GgufTensor& t : (*f)->tensors()) {
+      if (variant == 0 && t.name == "blk.1.attn_k.weight") continue;
+      std::vector<uint64_t> ne = t.ne;
+      if (variant == 1 && t.name == "blk.0.ffn_down.weight") std::swap(ne[0], ne[1]);
+      w.AddTensor(t.name, t.type, ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
+    }
+    const std::string out = testing::TempDir() + "/variant" + std::to_string(variant) + ".gguf";
+    ASSERT_TRUE(w.WriteFile(out).ok());
+    ModelOptions mo;
+    mo.n_threads = 1;
+    auto m = Model::Load(out, mo);
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find(variant == 0 ? "missing tensor 'blk.1.attn_k.weight'" : "'blk.0.ffn_down.weight' has shape"),
+              std::string::npos)
+        << m.status().ToString();
+  }
+}
+
+// Truncates and corrupts a valid model many times: parsing and loading must fail cleanly or succeed,
+// never crash or read out of bounds (run under ASan/valgrind to see the latter).
+TEST(Gguf, FuzzedFilesNeverCrash) {
+  const std::string path = testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "fuzz_src");
+  const std::vector<uint8_t> good = ReadAll(path);
+  ASSERT_GT(good.size(), 1000u);
+  std::mt19937_64 rng(123);
+  int parsed_ok = 0, failed = 0, loaded = 0;
+  const std::string mutated = testing::TempDir() + "/mutated.gguf";
+  for (int it = 0; it < 3000; ++it) {
+    std::vector<uint8_t> b = good;
+    switch (it % 3) {
+      case 0: b.resize(rng() % b.size()); break;  // truncation
+      case 1: {                                       // flips in the header/metadata region
+        const int flips = 1 + rng() % 4;
+        const size_t region = std::min<size_t>(b.size(), 24000);
+        for (int k = 0; k < flips; ++k) b[rng() % region] ^= static_cast<uint8_t>(1u << (rng() % 8));
+        break;
+      }
+      default: {  // random bytes anywhere, including 0xff runs that make huge lengths
+        const size_t at = rng() % b.size();
+        for (size_t k = at; k < std::min(b.size(), at + 8); ++k) b[k] = (rng() % 2) ? 0xff : static_cast<uint8_t>(rng());
+        break;
+      }
+    }
+    auto f = GgufFile::Parse(b);
+    if (!f.ok()) {
+      ++failed;
+      EXPECT_FALSE(f.status().message().empty());
+      continue;
+    }
+    ++parsed_ok;
+    (void)ModelConfig::FromGguf(**f);
+    (void)LoadTokenizerFromGguf(**f);
+    if (it % 10 == 1) {  // full loads are slower: every tenth corrupted file
+      std::ofstream(mutated, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+      ModelOptions mo;
+      mo.n_threads = 1;
+      mo.max_batch_tokens = 8;
+      mo.max_context = 64;  // a corrupted context_length must not make the test allocate gigabytes
+      auto m = Model::Load(mutated, mo);
+      if (m.ok()) ++loaded;
+    }
+  }
+  EXPECT_GT(failed, 1000);
+  EXPECT_GT(parsed_ok, 100);
+  std::printf("fuzz: %d rejected, %d parsed, %d fully loaded\n", failed, parsed_ok, loaded);
+}
+
+}  // namespace
+}  // namespace qkv

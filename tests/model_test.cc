@@ -1,0 +1,178 @@
+#include "engine/model.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "engine/kernels/bf16.h"
+#include "engine/sampler.h"
+#include "tests/test_util.h"
+
+namespace qkv {
+namespace {
+
+std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batch = 256, int64_t blocks = 0) {
+  ModelOptions mo;
+  mo.weights_dtype = w;
+  mo.kv_dtype = kv;
+  mo.n_threads = 2;
+  mo.max_batch_tokens = batch;
+  mo.kv_blocks = blocks;
+  auto m = Model::Load(path, mo);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+// Appends tokens to seq in chunks of `chunk`; returns the logits of every position (all_logits) or the last.
+std::vector<float> Feed(Model& m, SeqKv& seq, const std::vector<int>& tokens, bool all, int chunk = 1 << 30) {
+  EXPECT_TRUE(ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, m.blocks()).ok());
+  std::vector<float> out;
+  const int V = m.config().vocab;
+  for (size_t i = 0; i < tokens.size(); i += chunk) {
+    const size_t n = std::min<size_t>(chunk, tokens.size() - i);
+    BatchChunk ch{&seq, std::span<const int>(tokens.data() + i, n), all};
+    const Status s = m.Forward(std::span<const BatchChunk>(&ch, 1));
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    if (all || i + n == tokens.size()) out.insert(out.end(), m.logits(), m.logits() + static_cast<size_t>(m.logits_rows()) * V);
+  }
+  return out;
+}
+
+std::vector<int> Prompt(int n, int vocab, int salt = 0) {
+  std::vector<int> t;
+  for (int i = 0; i < n; ++i) t.push_back((i * 37 + 11 + salt * 101) % vocab);
+  return t;
+}
+
+class ModelArchTest : public ::testing::TestWithParam<Arch> {};
+
+// Decoding with the KV cache gives the same 64 greedy tokens as recomputing the whole prefix each step,
+// and logits within 1e-5 (f32 weights and KV).
+TEST_P(ModelArchTest, CacheMatchesRecompute) {
+  ModelConfig cfg = testing::SmallConfig(GetParam());
+  const auto path = testing::WriteModel(cfg, std::string("cache_") + ArchName(GetParam()));
+  auto m = Load(path, DType::kF32, DType::kF32, 256, 64);
+  ASSERT_TRUE(m);
+  const int V = cfg.vocab;
+  std::vector<int> prompt = Prompt(20, V);
+  SeqKv cached;
+  std::vector<float> lc = Feed(*m, cached, prompt, false);
+  std::vector<int> toks = prompt;
+  double max_diff = 0;
+  for (int step = 0; step < 64; ++step) {
+    SeqKv fresh;
+    std::vector<float> lf = Feed(*m, fresh, toks, false);
+    ReleaseBlocks(fresh, m->blocks());
+    for (int i = 0; i < V; ++i) max_diff = std::max(max_diff, static_cast<double>(std::fabs(lc[i] - lf[i])));
+    const int a = ArgMax(lc.data(), V), b = ArgMax(lf.data(), V);
+    ASSERT_EQ(a, b) << "step " << step;
+    toks.push_back(a);
+    lc = Feed(*m, cached, {a}, false);
+  }
+  EXPECT_LE(max_diff, 1e-5);
+}
+
+// Changing a later prompt token never changes an earlier position's logits (bit for bit).
+TEST_P(ModelArchTest, Causality) {
+  ModelConfig cfg = testing::SmallConfig(GetParam());
+  cfg.attention_sinks = true;
+  const auto path = testing::WriteModel(cfg, std::string("causal_") + ArchName(GetParam()));
+  auto m = Load(path, DType::kBF16, DType::kBF16);
+  ASSERT_TRUE(m);
+  const int V = cfg.vocab;
+  std::vector<int> a = Prompt(30, V), b = a;
+  b[20] = (b[20] + 1) % V;
+  b[29] = (b[29] + 5) % V;
+  SeqKv sa, sb;
+  auto la = Feed(*m, sa, a, true);
+  ReleaseBlocks(sa, m->blocks());
+  auto lb = Feed(*m, sb, b, true);
+  EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * 20 * V));
+  EXPECT_NE(0, std::memcmp(la.data() + 20 * V, lb.data() + 20 * V, sizeof(float) * V));
+}
+
+// The logits of a prompt do not depend on how it is chunked into forward passes, nor on what other
+// sequences share the batch (bit for bit): the basis of batch invariance.
+TEST_P(ModelArchTest, ChunkingAndBatchCompositionDoNotChangeBits) {
+  ModelConfig cfg = testing::SmallConfig(GetParam());
+  const auto path = testing::WriteModel(cfg, std::string("chunk_") + ArchName(GetParam()));
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    auto m = Load(path, dt, dt, 256, 64);
+    ASSERT_TRUE(m);
+    const int V = cfg.vocab;
+    std::vector<int> p = Prompt(150, V);
+    SeqKv s1;
+    auto whole = Feed(*m, s1, p, true);
+    ReleaseBlocks(s1, m->blocks());
+    for (int chunk : {1, 7, 64}) {
+      SeqKv s2;
+      auto parts = Feed(*m, s2, p, true, chunk);
+      ReleaseBlocks(s2, m->blocks());
+      ASSERT_EQ(whole.size(), parts.size());
+      EXPECT_EQ(0, std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float))) << "chunk " << chunk;
+    }
+    // The same prompt in a batch with two other sequences of different lengths.
+    SeqKv x, y, z;
+    std::vector<int> px = Prompt(33, V, 1), pz = Prompt(5, V, 2);
+    ASSERT_TRUE(ReserveBlocks(x, 33, m->options().block_size, m->blocks()).ok());
+    ASSERT_TRUE(ReserveBlocks(y, 150, m->options().block_size, m->blocks()).ok());
+    ASSERT_TRUE(ReserveBlocks(z, 5, m->options().block_size, m->blocks()).ok());
+    BatchChunk b[3] = {{&x, px, false}, {&y, std::span<const int>(p.data(), 100), true}, {&z, pz, true}};
+    ASSERT_TRUE(m->Forward(b).ok());
+    std::vector<float> got(m->logits() + V, m->logits() + 101 * static_cast<size_t>(V));
+    BatchChunk b2[2] = {{&z, std::span<const int>(pz.data(), 1), false}, {&y, std::span<const int>(p.data() + 100, 50), true}};
+    ASSERT_TRUE(m->Forward(b2).ok());
+    got.insert(got.end(), m->logits() + V, m->logits() + 51 * static_cast<size_t>(V));
+    ASSERT_EQ(got.size(), whole.size());
+    EXPECT_EQ(0, std::memcmp(whole.data(), got.data(), whole.size() * sizeof(float))) << DTypeName(dt);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest, ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3),
+                         [](const auto& info) { return std::string(ArchName(info.param)); });
+
+// V is never rotated: in layer 0 the value of a token depends only on the token, so the same token at
+// every position stores the same V row, while its K rows (rotated) differ.
+TEST(Model, ValuesAreNotRotated) {
+  ModelConfig cfg = testing::SmallConfig();
+  const auto path = testing::WriteModel(cfg, "vrot");
+  auto m = Load(path, DType::kF32, DType::kF32);
+  ASSERT_TRUE(m);
+  SeqKv s;
+  Feed(*m, s, std::vector<int>(20, 42), false);
+  const KvCache& kv = m->kv();
+  const int bs = m->options().block_size, hd = cfg.head_dim;
+  auto row = [&](bool k, int pos) {
+    const uint8_t* base = k ? kv.K(0, s.blocks[pos / bs], 1) : kv.V(0, s.blocks[pos / bs], 1);
+    return reinterpret_cast<const float*>(base) + (pos % bs) * hd;
+  };
+  for (int p = 1; p < 20; ++p) {
+    EXPECT_EQ(0, std::memcmp(row(false, 0), row(false, p), sizeof(float) * hd)) << "V at position " << p;
+    EXPECT_NE(0, std::memcmp(row(true, 0), row(true, p), sizeof(float) * hd)) << "K at position " << p;
+  }
+}
+
+TEST(Model, RejectsBadBatches) {
+  ModelConfig cfg = testing::SmallConfig();
+  auto m = Load(testing::WriteModel(cfg, "badbatch"), DType::kF32, DType::kF32, 16, 32);
+  ASSERT_TRUE(m);
+  SeqKv s;
+  std::vector<int> bad = {1, cfg.vocab};
+  ASSERT_TRUE(ReserveBlocks(s, 40, 16, m->blocks()).ok());
+  BatchChunk ch{&s, bad, false};
+  Status st = m->Forward(std::span<const BatchChunk>(&ch, 1));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("out of vocabulary"), std::string::npos);
+  std::vector<int> many(17, 1);
+  ch.tokens = many;
+  EXPECT_EQ(m->Forward(std::span<const BatchChunk>(&ch, 1)).code(), StatusCode::kInvalidArgument);
+  SeqKv unreserved;
+  std::vector<int> one = {1};
+  BatchChunk ch2{&unreserved, one, false};
+  EXPECT_EQ(m->Forward(std::span<const BatchChunk>(&ch2, 1)).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.n_tokens, 0);  // nothing was applied
+}
+
+}  // namespace
+}  // namespace qkv

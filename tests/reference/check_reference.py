@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Reference check: qkvserve's logits against the independent PyTorch reference (gguf_ref.py).
+
+For each configuration below it writes a random model with `qkv-model random`, runs `qkv-run --logits`
+(teacher-forced logits of every prompt position) once in one prefill and once in small chunks, and
+compares with the reference computed in float64:
+  * f32 weights + f32 KV: max |Δlogit| <= 1e-4;
+  * bf16 weights + bf16 KV (the default): max |Δlogit| <= 1% of the largest |logit|, and the same
+    argmax at every position where the reference's top-two gap exceeds that tolerance.
+Usage: check_reference.py BIN_DIR [--only NAME]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gguf_ref import Reference  # noqa: E402
+
+F32_TOL = 1e-4
+# bf16 weights and activations carry 8 significant bits, so bf16 logits are compared relative to the
+# logits' scale: max |Δlogit| <= BF16_REL × max |reference logit|. Measured worst case: docs/correctness.md.
+BF16_REL = 0.01
+
+BASE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 256,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+
+CONFIGS = [
+    ("mha", "llama", {"num_key_value_heads": 8}, "f32"),
+    ("gqa4", "llama", {"num_key_value_heads": 2}, "f32"),
+    ("mqa", "llama", {"num_key_value_heads": 1}, "f32"),
+    ("head_dim_ne", "llama", {"head_dim": 32}, "f32"),
+    ("partial_rotary", "llama", {"partial_rotary_factor": 0.25}, "f32"),
+    ("partial_rotary_qwen", "qwen3", {"partial_rotary_factor": 0.25}, "f32"),
+    ("output_gate", "qwen3", {"attn_output_gate": True}, "f32"),
+    ("sinks", "llama", {"attention_sinks": True}, "f32"),
+    ("qk_norm", "llama", {"qk_norm": True}, "f32"),
+    ("tied", "llama", {"tie_word_embeddings": True}, "f32"),
+    ("llama", "llama", {}, "f32"),
+    ("qwen2", "qwen2", {}, "f32"),
+    ("qwen3", "qwen3", {"head_dim": 32}, "f32"),
+    ("all_features", "qwen3", {"attn_output_gate": True, "attention_sinks": True, "attention_bias": True,
+                               "partial_rotary_factor": 0.5, "tie_word_embeddings": True, "num_key_value_heads": 4}, "f32"),
+    ("file_f16", "qwen2", {}, "f16"),
+    ("file_bf16", "llama", {}, "bf16"),
+    ("file_q8_0", "qwen3", {}, "q8_0"),
+]
+
+
+def run_logits(bindir, model, tokens, wdt, kdt, chunk, out):
+    cmd = [os.path.join(bindir, "qkv-run"), "--model", model, "--tokens", ",".join(map(str, tokens)),
+           "-n", "0", "--threads", "1", "--weights-dtype", wdt, "--kv-dtype", kdt, "--logits", out,
+           "--max-batch-tokens", str(chunk)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return np.fromfile(out, dtype="<f4").reshape(len(tokens), -1).astype(np.float64)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bindir")
+    ap.add_argument("--only")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(7)
+    failures = 0
+    worst_bf16 = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, arch, over, fdt in CONFIGS:
+            if args.only and name != args.only:
+                continue
+            cfg = dict(BASE, **over)
+            cpath, mpath, lpath = (os.path.join(tmp, name + s) for s in (".json", ".gguf", ".bin"))
+            with open(cpath, "w") as f:
+                json.dump(cfg, f)
+            subprocess.run([os.path.join(args.bindir, "qkv-model"), "random", "--config", cpath, "--out", mpath,
+                            "--arch", arch, "--dtype", fdt, "--seed", str(len(name))], check=True, stdout=subprocess.DEVNULL)
+            tokens = rng.integers(0, cfg["vocab_size"], size=48).tolist()
+            ref = Reference(mpath).logits(tokens).numpy()
+            msgs = []
+            ok = True
+            for chunk in (512, 7):
+                ours = run_logits(args.bindir, mpath, tokens, "f32", "f32", chunk, lpath)
+                d = float(np.abs(ours - ref).max())
+                msgs.append(f"f32/chunk{chunk} max|d|={d:.2e}")
+                ok &= d <= F32_TOL
+            ref_bf = Reference(mpath, round_weights_bf16=True).logits(tokens).numpy()
+            ours = run_logits(args.bindir, mpath, tokens, "bf16", "bf16", 512, lpath)
+            d = float(np.abs(ours - ref_bf).max())
+            scale = float(np.abs(ref_bf).max())
+            tol = BF16_REL * scale
+            worst_bf16 = max(worst_bf16, d / scale)
+            top2 = np.sort(ref_bf, axis=1)[:, -2:]
+            clear = (top2[:, 1] - top2[:, 0]) > tol
+            agree = (ours.argmax(1) == ref_bf.argmax(1))[clear]
+            msgs.append(f"bf16 max|d|={d:.3f} ({100 * d / scale:.2f}% of {scale:.1f}) argmax "
+                        f"{int(agree.sum())}/{int(clear.sum())} clear positions")
+            ok &= d <= tol and bool(agree.all())
+            print(f"{'ok  ' if ok else 'FAIL'} {name:20s} {arch:6s} {fdt:5s} " + "; ".join(msgs), flush=True)
+            failures += not ok
+    print(f"worst bf16 deviation {100 * worst_bf16:.2f}% of the logit scale (tolerance {100 * BF16_REL:.0f}%)")
+    print(f"{len(CONFIGS) - failures if not args.only else 1 - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+#include "tests/test_util.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+namespace qkv::testing {
+
+std::string TempDir() {
+  static std::string dir = [] {
+    char tmpl[] = "/tmp/qkvtest.XXXXXX";
+    const char* d = mkdtemp(tmpl);
+    EXPECT_NE(d, nullptr);
+    std::string s = d ? d : "/tmp";
+    static struct Cleanup {
+      std::string path;
+      ~Cleanup() { std::filesystem::remove_all(path); }
+    } cleanup{s};
+    return s;
+  }();
+  return dir;
+}
+
+ModelConfig SmallConfig(Arch arch) {
+  ModelConfig c;
+  c.arch = arch;
+  c.hidden = 96;
+  c.n_layers = 2;
+  c.n_heads = 6;
+  c.n_kv_heads = 3;
+  c.head_dim = 16;
+  c.rotary_dim = 16;
+  c.ffn = 160;
+  c.vocab = 400;
+  c.context_length = 256;
+  c.qk_norm = arch == Arch::kQwen3;
+  c.attention_bias = arch == Arch::kQwen2;
+  return c;
+}
+
+std::string WriteModel(const ModelConfig& cfg, const std::string& name, uint64_t seed, GgmlType dtype) {
+  const std::string path = TempDir() + "/" + name + ".gguf";
+  const Status s = WriteRandomModel(cfg, {dtype, seed}, path);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return path;
+}
+
+}  // namespace qkv::testing

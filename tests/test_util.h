@@ -1,0 +1,19 @@
+// Helpers shared by the unit tests: temporary files and small random models.
+#pragma once
+
+#include <string>
+
+#include "engine/model_config.h"
+#include "engine/random_model.h"
+
+namespace qkv::testing {
+
+// A fresh directory under /tmp removed at exit.
+std::string TempDir();
+// A small model config (GQA 2:1 by default) for tests.
+ModelConfig SmallConfig(Arch arch = Arch::kLlama);
+// Writes a random model for cfg and returns its path.
+std::string WriteModel(const ModelConfig& cfg, const std::string& name, uint64_t seed = 1,
+                       GgmlType dtype = GgmlType::kF32);
+
+}  // namespace qkv::testing

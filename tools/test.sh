@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs dependencies, builds everything (Release, warnings as errors) and runs every test with ctest.
+# Prints how long each stage took. Usage: bash tools/test.sh [extra ctest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stage() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+t0=$(date +%s)
+stage "dependencies"
+bash tools/install-deps.sh
+t1=$(date +%s)
+stage "configure and build"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$(nproc)"
+t2=$(date +%s)
+stage "tests"
+# Idle OpenMP threads sleep instead of spinning, so concurrent test processes do not starve each other.
+export OMP_WAIT_POLICY=PASSIVE
+rc=0
+(cd build && ctest --output-on-failure -j2 "$@") || rc=$?
+t3=$(date +%s)
+printf '\nstage times: dependencies %ss, build %ss, tests %ss\n' $((t1 - t0)) $((t2 - t1)) $((t3 - t2))
+exit $rc
