@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -85,7 +86,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   m->logits_.assign(R * c.vocab, 0);
   if (opt.weights_dtype == DType::kBF16) m->in_lp_.assign(R * std::max({c.hidden, c.q_dim(), c.ffn}), 0);
   const int group = c.n_heads / c.n_kv_heads;
-  m->attn_scratch_stride_ = static_cast<size_t>(group) * m->max_ctx_ + 2 * c.head_dim + 16;
+  m->attn_scratch_stride_ = AttentionScratchFloats(group, m->max_ctx_, c.head_dim, opt.block_size) + 16;
   m->attn_scratch_.assign(m->attn_scratch_stride_ * opt.n_threads, 0);
   m->tok_chunk_.resize(opt.max_batch_tokens);
   m->tok_pos_.resize(opt.max_batch_tokens);
@@ -187,6 +188,26 @@ const void* Model::ComputeInput(const float* x) const {
   return opt_.weights_dtype == DType::kBF16 ? static_cast<const void*>(in_lp_.data()) : static_cast<const void*>(x);
 }
 
+namespace {
+// Adds the time since the last mark to a profile field, when profiling.
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(bool on) : on_(on) {
+    if (on_) last_ = std::chrono::steady_clock::now();
+  }
+  void Mark(double& field) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    field += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+};
+}  // namespace
+
 Status Model::Forward(std::span<const BatchChunk> batch) {
   const ModelConfig& c = cfg_;
   // Validate the whole batch before touching anything.
@@ -229,6 +250,8 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
   const RopeStyle style = RopeStyleOf(c.arch);
   const int nthr = opt_.n_threads;
 
+  PhaseTimer timer(profiling_);
+  Profile& pf = profile_;
   // Embedding lookup.
   {
     int t = 0;
@@ -244,12 +267,15 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
     }
   }
 
+  timer.Mark(pf.embed);
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer& L = layers_[l];
 #pragma omp parallel for num_threads(nthr) if (T > 1)
     for (int t = 0; t < T; ++t) RmsNorm(&x_[static_cast<size_t>(t) * H], L.attn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
     ToComputeInput(h_.data(), T, H);
+    timer.Mark(pf.norms);
     L.qkv->Forward(ComputeInput(h_.data()), T, qkv_.data());
+    timer.Mark(pf.qkv);
 
     // q/k norm, RoPE (Q and K only; V is stored as projected), then K/V into the cache.
 #pragma omp parallel for num_threads(nthr) if (T > 1)
@@ -269,6 +295,7 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
       const BatchChunk& ch = batch[tok_chunk_[t]];
       StoreKv(*kv_, l, ch.seq->blocks.data(), pos, row + k_off, row + v_off);
     }
+    timer.Mark(pf.rope_store);
 
     AttentionShape as{c.n_heads, c.n_kv_heads, hd, c.attention_sinks ? L.sinks.data() : nullptr};
     const int items = T * c.n_kv_heads;
@@ -284,17 +311,21 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
       for (int t = 0; t < T; ++t) {
         float* a = &attn_[static_cast<size_t>(t) * q_dim];
         const float* gt = &qkv_[static_cast<size_t>(t) * qkv_n + gate_off];
-        for (int i = 0; i < q_dim; ++i) a[i] *= 1.0f / (1.0f + std::exp(-gt[i]));
+        for (int i = 0; i < q_dim; ++i) a[i] *= 1.0f / (1.0f + FastExp(-gt[i]));
       }
     }
     ToComputeInput(attn_.data(), T, q_dim);
+    timer.Mark(pf.attention);
     L.o->Forward(ComputeInput(attn_.data()), T, tmp_.data());
     AddInPlace(x_.data(), tmp_.data(), T * H);
+    timer.Mark(pf.o);
 
 #pragma omp parallel for num_threads(nthr) if (T > 1)
     for (int t = 0; t < T; ++t) RmsNorm(&x_[static_cast<size_t>(t) * H], L.ffn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
     ToComputeInput(h_.data(), T, H);
+    timer.Mark(pf.norms);
     L.gate_up->Forward(ComputeInput(h_.data()), T, gu_.data());
+    timer.Mark(pf.ffn_up);
     const int F = c.ffn;
 #pragma omp parallel for num_threads(nthr) if (T > 1)
     for (int t = 0; t < T; ++t) {
@@ -302,8 +333,10 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
       SiluMul(g, g + F, &act_[static_cast<size_t>(t) * F], F);
     }
     ToComputeInput(act_.data(), T, F);
+    timer.Mark(pf.ffn_act);
     L.down->Forward(ComputeInput(act_.data()), T, tmp_.data());
     AddInPlace(x_.data(), tmp_.data(), T * H);
+    timer.Mark(pf.ffn_down);
   }
 
   // Final norm and LM head, only on the rows whose logits are wanted.
@@ -322,6 +355,7 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
   }
   ToComputeInput(h_.data(), rows, H);
   lm_head_->Forward(ComputeInput(h_.data()), rows, logits_.data());
+  timer.Mark(pf.lm_head);
   logits_rows_ = rows;
   for (const BatchChunk& ch : batch) ch.seq->n_tokens += static_cast<int>(ch.tokens.size());
   return {};

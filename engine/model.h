@@ -62,6 +62,15 @@ class Model {
   // its last; they stay valid until the next Forward.
   Status Forward(std::span<const BatchChunk> batch);
   const float* logits() const { return logits_.data(); }
+
+  // Seconds spent per part of Forward since the last reset (only while profiling is on).
+  struct Profile {
+    double embed = 0, norms = 0, qkv = 0, rope_store = 0, attention = 0, o = 0, ffn_up = 0, ffn_act = 0,
+           ffn_down = 0, lm_head = 0;
+    double total() const { return embed + norms + qkv + rope_store + attention + o + ffn_up + ffn_act + ffn_down + lm_head; }
+  };
+  void set_profiling(bool on) { profiling_ = on; profile_ = {}; }
+  const Profile& profile() const { return profile_; }
   int logits_rows() const { return logits_rows_; }
 
  private:
@@ -98,6 +107,8 @@ class Model {
   size_t attn_scratch_stride_ = 0;
   std::vector<int> tok_chunk_, tok_pos_, logit_src_;
   int logits_rows_ = 0;
+  bool profiling_ = false;
+  Profile profile_;
 };
 
 }  // namespace qkv

@@ -143,13 +143,17 @@ TEST(Model, ValuesAreNotRotated) {
   Feed(*m, s, std::vector<int>(20, 42), false);
   const KvCache& kv = m->kv();
   const int bs = m->options().block_size, hd = cfg.head_dim;
+  // V rows are [slot][head_dim]; K is stored transposed per block ([head_dim][slot]).
   auto row = [&](bool k, int pos) {
-    const uint8_t* base = k ? kv.K(0, s.blocks[pos / bs], 1) : kv.V(0, s.blocks[pos / bs], 1);
-    return reinterpret_cast<const float*>(base) + (pos % bs) * hd;
+    const int block = s.blocks[pos / bs], slot = pos % bs;
+    const float* base = reinterpret_cast<const float*>(k ? kv.K(0, block, 1) : kv.V(0, block, 1));
+    std::vector<float> r(hd);
+    for (int d = 0; d < hd; ++d) r[d] = k ? base[d * bs + slot] : base[slot * hd + d];
+    return r;
   };
   for (int p = 1; p < 20; ++p) {
-    EXPECT_EQ(0, std::memcmp(row(false, 0), row(false, p), sizeof(float) * hd)) << "V at position " << p;
-    EXPECT_NE(0, std::memcmp(row(true, 0), row(true, p), sizeof(float) * hd)) << "K at position " << p;
+    EXPECT_EQ(row(false, 0), row(false, p)) << "V at position " << p;
+    EXPECT_NE(row(true, 0), row(true, p)) << "K at position " << p;
   }
 }
 

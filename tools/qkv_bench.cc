@@ -1,1 +1,152 @@
-int main(){}
+// qkv-bench: prefill and single-stream decode speed of one model, and decode as a percentage of the
+// memory-bandwidth roofline (weight bytes read per token ÷ measured read bandwidth).
+//   qkv-bench --model MODEL.gguf [--threads T] [--prompt 512] [--gen 128] [--profile]
+#include <omp.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "engine/model.h"
+#include "engine/sampler.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Read bandwidth in GB/s over a 1 GiB buffer with n threads (best of 5 passes).
+double MeasureBandwidth(int threads) {
+  const size_t n = (1ull << 30) / sizeof(float);
+  std::vector<float> buf(n, 1.0f);
+  double best = 0;
+  for (int pass = 0; pass < 5; ++pass) {
+    const auto t0 = Clock::now();
+    float total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+      // 64 independent lanes so that the loop is bound by memory, not by add latency.
+      float acc[64] = {};
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const size_t chunk = n / nt / 64 * 64;
+      const float* p = buf.data() + chunk * t;
+      for (size_t i = 0; i < chunk; i += 64) {
+        for (int l = 0; l < 64; ++l) acc[l] += p[i + l];
+      }
+      for (float a : acc) total += a;
+    }
+    const double sec = Since(t0);
+    if (total < 0) std::printf("impossible\n");
+    best = std::max(best, static_cast<double>(n * sizeof(float)) / sec / 1e9);
+  }
+  return best;
+}
+
+void PrintProfile(const char* what, const qkv::Model::Profile& p) {
+  const double t = p.total();
+  auto pct = [&](double x) { return 100.0 * x / t; };
+  std::printf("  %s profile: qkv %.1f%%, attention %.1f%%, o %.1f%%, ffn gate/up %.1f%%, ffn act %.1f%%, "
+              "ffn down %.1f%%, lm head %.1f%%, norms %.1f%%, rope+kv store %.1f%%, embed %.1f%%\n",
+              what, pct(p.qkv), pct(p.attention), pct(p.o), pct(p.ffn_up), pct(p.ffn_act), pct(p.ffn_down),
+              pct(p.lm_head), pct(p.norms), pct(p.rope_store), pct(p.embed));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"qkv-bench: prefill and decode throughput of a model"};
+  std::string model, weights_dtype = "bf16", kv_dtype = "bf16";
+  int threads = 2, prompt = 512, gen = 128, reps = 3;
+  bool profile = false;
+  app.add_option("--model", model, "GGUF model file")->required();
+  app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
+  app.add_option("--prompt", prompt, "prompt tokens for the prefill measurement")->capture_default_str()->check(CLI::Range(1, 65536));
+  app.add_option("--gen", gen, "tokens to decode")->capture_default_str()->check(CLI::Range(1, 65536));
+  app.add_option("--reps", reps, "repetitions (the best is reported)")->capture_default_str()->check(CLI::Range(1, 100));
+  app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
+  app.add_flag("--profile", profile, "print where the time goes");
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::warn);
+  omp_set_num_threads(threads);
+
+  qkv::ModelOptions mo;
+  auto wd = qkv::ParseDType(weights_dtype);
+  auto kd = qkv::ParseDType(kv_dtype);
+  if (!wd.ok() || !kd.ok()) {
+    std::fprintf(stderr, "qkv-bench: dtypes must be bf16 or f32\n");
+    return 1;
+  }
+  mo.weights_dtype = *wd;
+  mo.kv_dtype = *kd;
+  mo.n_threads = threads;
+  mo.max_batch_tokens = prompt;
+  mo.max_context = prompt + gen + 1;
+  const auto tl = Clock::now();
+  auto loaded = qkv::Model::Load(model, mo);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "qkv-bench: %s\n", loaded.status().ToString().c_str());
+    return 1;
+  }
+  qkv::Model& m = **loaded;
+  const double load_s = Since(tl);
+  const int V = m.config().vocab;
+  std::printf("model: %s\n", m.config().Summary().c_str());
+  std::printf("weights %s, kv %s, threads %d; load %.2f s; weight bytes %.1f MB (read per decoded token %.1f MB)\n",
+              weights_dtype.c_str(), kv_dtype.c_str(), threads, load_s, m.weight_bytes() / 1e6,
+              m.weight_bytes_per_token() / 1e6);
+  for (const auto& k : m.gemm().KernelLog()) {
+    if (k.rfind("M=1 ", 0) == 0 || k.rfind("M=128 ", 0) == 0) std::printf("  kernel %s\n", k.c_str());
+  }
+
+  std::vector<int> tokens(prompt);
+  for (int i = 0; i < prompt; ++i) tokens[i] = (i * 7919 + 13) % V;
+  double best_prefill = 1e30, best_decode = 1e30;
+  qkv::Model::Profile prefill_prof, decode_prof;
+  for (int r = 0; r < reps; ++r) {
+    qkv::SeqKv seq;
+    if (!qkv::ReserveBlocks(seq, prompt + gen, mo.block_size, m.blocks()).ok()) return 1;
+    m.set_profiling(profile);
+    auto t0 = Clock::now();
+    qkv::BatchChunk ch{&seq, tokens, false};
+    if (auto s = m.Forward(std::span<const qkv::BatchChunk>(&ch, 1)); !s.ok()) {
+      std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    const double pre = Since(t0);
+    if (pre < best_prefill) {
+      best_prefill = pre;
+      prefill_prof = m.profile();
+    }
+    m.set_profiling(profile);
+    int next = qkv::ArgMax(m.logits(), V);
+    t0 = Clock::now();
+    for (int i = 0; i < gen; ++i) {
+      qkv::BatchChunk d{&seq, std::span<const int>(&next, 1), false};
+      if (!m.Forward(std::span<const qkv::BatchChunk>(&d, 1)).ok()) return 1;
+      next = qkv::ArgMax(m.logits(), V);
+    }
+    const double dec = Since(t0);
+    if (dec < best_decode) {
+      best_decode = dec;
+      decode_prof = m.profile();
+    }
+    qkv::ReleaseBlocks(seq, m.blocks());
+  }
+  const double bw = MeasureBandwidth(threads);
+  const double prefill_tps = prompt / best_prefill;
+  const double decode_tps = gen / best_decode;
+  const double roofline = bw * 1e9 / static_cast<double>(m.weight_bytes_per_token());
+  std::printf("prefill: %d tokens in %.3f s = %.1f tok/s\n", prompt, best_prefill, prefill_tps);
+  std::printf("decode:  %d tokens in %.3f s = %.1f tok/s (%.2f ms/token)\n", gen, best_decode, decode_tps, 1e3 * best_decode / gen);
+  std::printf("roofline: read bandwidth %.1f GB/s on %d threads -> %.1f tok/s; decode at %.0f%% of it\n", bw, threads,
+              roofline, 100.0 * decode_tps / roofline);
+  if (profile) {
+    PrintProfile("prefill", prefill_prof);
+    PrintProfile("decode", decode_prof);
+  }
+  return 0;
+}

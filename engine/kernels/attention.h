@@ -22,9 +22,11 @@ struct AttentionShape {
 // Writes one token's rotated K row and its V row (each n_kv_heads * head_dim f32) at position pos.
 void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k, const float* v);
 
+size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size);
+
 // Attention of one query token (all heads of kv head `g`) over positions [0, n_ctx).
 // q: n_heads * head_dim; out: n_heads * head_dim (only group g's heads are written).
-// scratch: at least (n_heads / n_kv_heads) * n_ctx + 2 * head_dim floats.
+// scratch: AttentionScratchFloats(n_heads / n_kv_heads, n_ctx, head_dim, block_size) floats.
 void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
                  const AttentionShape& shape, int g, float* scratch);
 

@@ -19,6 +19,20 @@ float Dot(const float* a, const float* b, int n) {
   return acc[0];
 }
 
+float Sum(const float* x, int n) {
+  constexpr int L = 16;
+  float acc[L] = {};
+  int i = 0;
+  for (; i + L <= n; i += L) {
+    for (int l = 0; l < L; ++l) acc[l] += x[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += x[i];
+  for (int w = L / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
 void RmsNorm(const float* x, const float* w, float* out, int n, float eps) {
   const float ss = Dot(x, x, n);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -26,7 +40,14 @@ void RmsNorm(const float* x, const float* w, float* out, int n, float eps) {
 }
 
 void SiluMul(const float* gate, const float* up, float* out, int n) {
-  for (int i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  int i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = FastExp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + FastExp(-gate[i])) * up[i];
 }
 
 void AddInPlace(float* x, const float* y, int n) {
