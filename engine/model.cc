@@ -58,6 +58,9 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     m->rt_ = std::make_unique<GemmRuntime>(opt.n_threads);
     QKV_RETURN_IF_ERROR(m->LoadWeights(*f));
   }  // the GGUF mapping is released here: only converted weights stay resident
+  spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), DTypeName(opt.weights_dtype),
+               m->weight_bytes_ / 1e6, opt.n_threads);
+  for (const std::string& k : m->rt_->KernelLog()) spdlog::info("gemm bucket: {}", k);
   const ModelConfig& c = m->cfg_;
   m->max_ctx_ = opt.max_context > 0 ? std::min(opt.max_context, c.context_length) : c.context_length;
   KvCacheShape ks;

@@ -258,8 +258,8 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
     return Unimplemented("tokenizer: tokenizer.ggml.model '" + model + "' is not supported yet (supported: gpt2)");
   }
   const std::string pre = f.GetStringOr("tokenizer.ggml.pre", "default");
-  if (pre != "default" && pre != "gpt2") {
-    return Unimplemented("tokenizer: pre-tokenizer '" + pre + "' is not supported yet (supported: default, gpt2)");
+  if (pre != "default" && pre != "gpt2" && pre != "gpt-2") {
+    return Unimplemented("tokenizer: pre-tokenizer '" + pre + "' is not supported yet (supported: default, gpt-2)");
   }
   const GgufValue* toks = f.Find("tokenizer.ggml.tokens");
   if (!toks || toks->type != GgufType::kArray || toks->array_type != GgufType::kString || toks->array.empty()) {
@@ -291,7 +291,7 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
 
 void BpeVocab::ToGguf(GgufWriter& w) const {
   w.SetString("tokenizer.ggml.model", "gpt2");
-  w.SetString("tokenizer.ggml.pre", "gpt2");
+  w.SetString("tokenizer.ggml.pre", "gpt-2");  // llama.cpp's name for the GPT-2 pre-tokenizer
   w.SetStringArray("tokenizer.ggml.tokens", tokens);
   w.SetI32Array("tokenizer.ggml.token_type", types);
   w.SetStringArray("tokenizer.ggml.merges", merges);

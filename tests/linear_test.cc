@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -94,6 +95,26 @@ TEST(Linear, MatchesNaiveProduct) {
       EXPECT_EQ(y[r * n + c], static_cast<float>(ref)) << r << "," << c;  // small integers: exact
     }
   }
+}
+
+}  // namespace
+}  // namespace qkv
+
+namespace qkv {
+namespace {
+
+TEST(Bf16, BulkConversionMatchesScalarIncludingTiesAndSpecials) {
+  std::vector<float> v = {0.0f, -0.0f, 1.0f, 1.00390625f /* tie, rounds to even */, 1.01171875f /* tie, rounds up */,
+                          3.14159f, -2.5e-39f, 1e38f, 3.4e38f, INFINITY, -INFINITY, NAN};
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1e4f, 1e4f);
+  for (int i = 0; i < 1000; ++i) v.push_back(u(rng));
+  std::vector<uint16_t> bulk(v.size());
+  F32ToBf16Bulk(v.data(), bulk.data(), static_cast<int64_t>(v.size()));
+  for (size_t i = 0; i < v.size(); ++i) EXPECT_EQ(bulk[i], F32ToBf16(v[i])) << v[i];
+  EXPECT_EQ(F32ToBf16(1.00390625f), 0x3f80);
+  EXPECT_EQ(F32ToBf16(1.01171875f), 0x3f82);
+  EXPECT_TRUE(std::isnan(Bf16ToF32(F32ToBf16(NAN))));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@ cat > "$tmp/c.json" <<'JSON'
 JSON
 "$bin/qkv-model" random --config "$tmp/c.json" --out "$tmp/m.gguf" --arch qwen3 --dtype bf16 --seed 3 >/dev/null
 info=$("$bin/qkv-model" info "$tmp/m.gguf")
+grep -q "tokenizer:         gpt2/gpt-2" <<<"$info" || fail "info lacks the tokenizer"
 grep -q "architecture:      qwen3" <<<"$info" || fail "info lacks the architecture"
 grep -q "MQA" <<<"$info" || fail "info lacks the attention kind"
 grep -q "kv bytes/token:    128 (bf16), 256 (f32)" <<<"$info" || fail "KV bytes per token: 2 layers x 2 x 1 kv head x 16 x 2 bytes = 128; got: $info"

@@ -1,6 +1,8 @@
 // qkv-model: make and inspect model files.
 //   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3] [--dtype f32|f16|bf16|q8_0] [--seed N]
 //   qkv-model info MODEL.gguf
+//   qkv-model tokenize --model MODEL.gguf [--decode] [--parse-special] [--add-special]
+//     reads one JSON string per line and prints one JSON array of ids per line (--decode: the reverse)
 #include <CLI/CLI.hpp>
 #include <fstream>
 #include <iostream>
@@ -10,6 +12,9 @@
 #include "engine/model_config.h"
 #include "engine/random_model.h"
 #include "engine/tokenizer.h"
+#include "engine/utf8.h"
+
+#include <nlohmann/json.hpp>
 
 namespace {
 
@@ -84,6 +89,40 @@ int Info(const std::string& path) {
   return 0;
 }
 
+int Tokenize(const std::string& path, bool decode, bool parse_special, bool add_special) {
+  auto f = qkv::GgufFile::Open(path);
+  if (!f.ok()) return Fail(f.status());
+  auto tok = qkv::LoadTokenizerFromGguf(**f);
+  if (!tok.ok()) return Fail(tok.status());
+  std::string line;
+  int line_no = 0;
+  while (std::getline(std::cin, line)) {
+    ++line_no;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (decode) {
+      if (!j.is_array()) return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": expected a JSON array of ids"));
+      std::vector<int> ids;
+      for (const auto& v : j) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= (*tok)->vocab_size()) {
+          return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": id outside the vocabulary"));
+        }
+        ids.push_back(v.get<int>());
+      }
+      std::string text = (*tok)->Decode(ids);
+      // JSON needs valid UTF-8: invalid bytes become U+FFFD, as in streaming.
+      std::cout << nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    } else {
+      if (!j.is_string()) return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": expected a JSON string"));
+      std::vector<int> ids;
+      if (add_special && (*tok)->add_bos() && (*tok)->bos_id() >= 0) ids.push_back((*tok)->bos_id());
+      const auto enc = (*tok)->Encode(j.get<std::string>(), parse_special);
+      ids.insert(ids.end(), enc.begin(), enc.end());
+      std::cout << nlohmann::json(ids).dump() << "\n";
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -100,7 +139,15 @@ int main(int argc, char** argv) {
   auto* info = app.add_subcommand("info", "print a model's config, parameter count, weight bytes and KV bytes per token");
   std::string model;
   info->add_option("model", model, "GGUF file")->required();
+  auto* tokenize = app.add_subcommand("tokenize", "encode JSON strings (one per line on stdin) to JSON id arrays");
+  std::string tok_model;
+  bool decode = false, parse_special = false, add_special = false;
+  tokenize->add_option("--model", tok_model, "GGUF file whose tokenizer to use")->required();
+  tokenize->add_flag("--decode", decode, "read id arrays, print strings");
+  tokenize->add_flag("--parse-special", parse_special, "treat special-token text (e.g. <|endoftext|>) as the special token");
+  tokenize->add_flag("--add-special", add_special, "add BOS when the model asks for it");
   CLI11_PARSE(app, argc, argv);
   if (random->parsed()) return Random(config, out, arch, dtype, seed);
+  if (tokenize->parsed()) return Tokenize(tok_model, decode, parse_special, add_special);
   return Info(model);
 }

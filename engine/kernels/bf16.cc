@@ -44,7 +44,14 @@ uint16_t F32ToF16(float f) {
 }
 
 void F32ToBf16Bulk(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+  // Branch-free round-to-nearest-even (NaN kept quiet), so the loop vectorizes; same bits as F32ToBf16.
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    dst[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
 }
 
 void Bf16ToF32Bulk(const uint16_t* src, float* dst, int64_t n) {

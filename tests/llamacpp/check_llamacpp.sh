@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Cross-checks qkvserve against llama.cpp (the prebuilt build shipped in node-llama-cpp@3.21.1 on npm):
+# random f32 models of the llama, qwen2 and qwen3 architectures must load in llama.cpp, tokenize text to
+# the same ids, and give the same greedy continuation as `qkv-run --weights-dtype f32 --kv-dtype f32`.
+# Not part of ctest (CI need not run node); run by hand:  bash tests/llamacpp/check_llamacpp.sh build/bin
+set -euo pipefail
+bin=$(realpath "$1")
+here=$(cd "$(dirname "$0")" && pwd)
+work=${QKV_NODE_DIR:-/tmp/qkv-llamacpp}
+mkdir -p "$work"
+if [ ! -d "$work/node_modules/node-llama-cpp" ]; then
+  (cd "$work" && npm init -y >/dev/null && npm i -E node-llama-cpp@3.21.1 >/dev/null)
+fi
+cp "$here/greedy.mjs" "$work/"
+text="Hello world, the quick brown fox's 123 tests"
+tokens="5,17,99,3,250,42,7,301,12,8"
+pass=0 fail=0
+for arch in llama qwen2 qwen3; do
+  cat > "$work/c.json" <<JSON
+{"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+ "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
+JSON
+  "$bin/qkv-model" random --config "$work/c.json" --out "$work/$arch.gguf" --arch "$arch" --dtype f32 --seed 11 >/dev/null
+  ref=$(node "$work/greedy.mjs" "$work/$arch.gguf" "$text" "$tokens" 24)
+  ours_greedy=$("$bin/qkv-run" --model "$work/$arch.gguf" --tokens "$tokens" -n 24 --temperature 0 --ignore-eos \
+    --weights-dtype f32 --kv-dtype f32 --threads 1 --print-ids 2>&1 >/dev/null | sed -n 's/^ids: //p')
+  ours_tok=$(printf '%s\n' "$text" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().rstrip("\n")))' | \
+    "$bin/qkv-model" tokenize --model "$work/$arch.gguf" 2>/dev/null || echo "n/a")
+  ref_greedy=$(python3 -c 'import json,sys; print(",".join(map(str, json.loads(sys.argv[1])["greedy"])))' "$ref")
+  ref_tok=$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1])["tokenize"]).replace(" ", ""))' "$ref")
+  if [ "$ours_greedy" = "$ref_greedy" ]; then echo "ok   $arch greedy: $ours_greedy"; pass=$((pass+1)); else
+    echo "FAIL $arch greedy: ours $ours_greedy llama.cpp $ref_greedy"; fail=$((fail+1)); fi
+  if [ "$ours_tok" != "n/a" ]; then
+    if [ "$(tr -d ' ' <<<"$ours_tok")" = "$ref_tok" ]; then echo "ok   $arch tokenize: $ref_tok"; pass=$((pass+1)); else
+      echo "FAIL $arch tokenize: ours $ours_tok llama.cpp $ref_tok"; fail=$((fail+1)); fi
+  fi
+done
+echo "llamacpp: $pass passed, $fail failed"
+[ $fail -eq 0 ]
