@@ -30,33 +30,12 @@ KvCache::~KvCache() {
   if (k_) munmap(k_, static_cast<size_t>(bytes_));
 }
 
-BlockPool::BlockPool(int64_t n_blocks) : total_(n_blocks) {
-  free_.reserve(n_blocks);
-  for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int>(b));
-}
-
-int BlockPool::Allocate() {
-  if (free_.empty()) return -1;
-  const int b = free_.back();
-  free_.pop_back();
-  return b;
-}
-
-void BlockPool::Free(int block) { free_.push_back(block); }
-
-Status ReserveBlocks(SeqKv& seq, int n_tokens, int block_size, BlockPool& pool) {
-  const size_t need = static_cast<size_t>((n_tokens + block_size - 1) / block_size);
-  if (need > seq.blocks.size() && static_cast<int64_t>(need - seq.blocks.size()) > pool.free_blocks()) {
-    return ResourceExhausted("kv cache: not enough free blocks for " + std::to_string(n_tokens) + " tokens");
+void KvCache::CopyBlock(int src, int dst) {
+  const size_t n = static_cast<size_t>(shape_.n_kv_heads) * head_stride_;
+  for (int l = 0; l < shape_.n_layers; ++l) {
+    std::memcpy(K(l, dst, 0), K(l, src, 0), n);
+    std::memcpy(V(l, dst, 0), V(l, src, 0), n);
   }
-  while (seq.blocks.size() < need) seq.blocks.push_back(pool.Allocate());
-  return {};
-}
-
-void ReleaseBlocks(SeqKv& seq, BlockPool& pool) {
-  for (int b : seq.blocks) pool.Free(b);
-  seq.blocks.clear();
-  seq.n_tokens = 0;
 }
 
 }  // namespace qkv

@@ -5,7 +5,7 @@
 // order): position p lives in block table[p / block_size], slot p % block_size.
 //
 // The arena is allocated and touched once at start-up. This class only stores; ownership of blocks
-// (free list, reference counts, prefix sharing) belongs to the block manager that hands out ids.
+// (reference counts, prefix sharing, eviction) belongs to KvBlockPool (block_manager.h).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +39,8 @@ class KvCache {
   uint8_t* V(int layer, int block, int head) { return v_ + Offset(layer, block, head); }
   const uint8_t* K(int layer, int block, int head) const { return k_ + Offset(layer, block, head); }
   const uint8_t* V(int layer, int block, int head) const { return v_ + Offset(layer, block, head); }
+  // Copies all layers' K and V of block src into block dst (copy-on-write of a shared block).
+  void CopyBlock(int src, int dst);
 
  private:
   KvCache() = default;
@@ -51,31 +53,5 @@ class KvCache {
   uint8_t* k_ = nullptr;
   uint8_t* v_ = nullptr;
 };
-
-// A minimal owner of blocks: a free list. The block manager of the batching engine replaces it.
-class BlockPool {
- public:
-  explicit BlockPool(int64_t n_blocks);
-  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
-  int64_t total_blocks() const { return total_; }
-  // A free block id, or -1 when none is left.
-  int Allocate();
-  void Free(int block);
-
- private:
-  int64_t total_;
-  std::vector<int> free_;
-};
-
-// One sequence's view of the cache: its blocks and how many positions hold K/V.
-struct SeqKv {
-  std::vector<int> blocks;
-  int n_tokens = 0;
-};
-
-// Ensures seq has blocks for `n_tokens` positions, taking them from pool; ResourceExhausted if short.
-Status ReserveBlocks(SeqKv& seq, int n_tokens, int block_size, BlockPool& pool);
-// Returns all of seq's blocks to the pool and empties it.
-void ReleaseBlocks(SeqKv& seq, BlockPool& pool);
 
 }  // namespace qkv

@@ -60,7 +60,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), DTypeName(opt.weights_dtype),
                m->weight_bytes_ / 1e6, opt.n_threads);
-  for (const std::string& k : m->rt_->KernelLog()) spdlog::info("gemm bucket: {}", k);
+  for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
   const ModelConfig& c = m->cfg_;
   m->max_ctx_ = opt.max_context > 0 ? std::min(opt.max_context, c.context_length) : c.context_length;
   KvCacheShape ks;
@@ -71,7 +71,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   ks.dtype = opt.kv_dtype;
   ks.n_blocks = opt.kv_blocks > 0 ? opt.kv_blocks : (m->max_ctx_ + opt.block_size - 1) / opt.block_size;
   QKV_ASSIGN_OR_RETURN(m->kv_, KvCache::Create(ks));
-  m->pool_ = std::make_unique<BlockPool>(ks.n_blocks);
+  m->pool_ = std::make_unique<KvBlockPool>(ks.n_blocks, opt.block_size);
   m->rope_ = std::make_unique<RopeTable>(c.rotary_dim, c.rope_theta, m->max_ctx_);
 
   // Scratch for the largest batch.

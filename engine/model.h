@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/block_manager.h"
 #include "engine/kernels/linear.h"
 #include "engine/kernels/ops.h"
 #include "engine/kv_cache.h"
@@ -49,7 +50,7 @@ class Model {
   const ModelOptions& options() const { return opt_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   KvCache& kv() { return *kv_; }
-  BlockPool& blocks() { return *pool_; }
+  KvBlockPool& blocks() { return *pool_; }
   int max_context() const { return max_ctx_; }
   // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.
   size_t weight_bytes() const { return weight_bytes_; }
@@ -89,7 +90,7 @@ class Model {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<GemmRuntime> rt_;
   std::unique_ptr<KvCache> kv_;
-  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<KvBlockPool> pool_;
   std::unique_ptr<RopeTable> rope_;
   std::vector<Layer> layers_;
   std::vector<float> embed_f32_;     // [vocab][hidden] when weights are f32

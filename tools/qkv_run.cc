@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
   app.add_option("--gen-logits", gen_logits_out, "write the logits each generated token was sampled from");
   app.add_flag("--print-ids", print_ids, "print the generated token ids on stderr at the end");
   std::string log_level = "warn";
-  app.add_option("--log-level", log_level, "trace, debug, info (shows the GEMM kernels picked), warn, error")->capture_default_str();
+  app.add_option("--log-level", log_level, "trace, debug (shows the GEMM kernel oneDNN picked per M bucket), info, warn, error")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   have_seed = seed_opt->count() > 0;
   spdlog::set_level(spdlog::level::from_str(log_level));

@@ -1,0 +1,602 @@
+#include "engine/engine.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+#include <future>
+
+namespace qkv {
+namespace {
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double UnixTime(Clock::time_point t) {
+  const auto now_sys = std::chrono::system_clock::now();
+  const auto delta = std::chrono::duration_cast<std::chrono::system_clock::duration>(t - Clock::now());
+  return std::chrono::duration<double>((now_sys + delta).time_since_epoch()).count();
+}
+
+Status ValidateId(const std::string& id, const char* field) {
+  if (id.empty() || id.size() > 128) return InvalidArgument(std::string(field) + " must be 1-128 characters");
+  for (char c : id) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return InvalidArgument(std::string(field) + " may only contain [A-Za-z0-9._-]");
+    }
+  }
+  return {};
+}
+
+// log-softmax of one logits row: max and log Σ exp(x - max), summed in a fixed order.
+std::pair<float, float> LogSumExp(const float* x, int n) {
+  float m = x[0];
+  for (int i = 1; i < n; ++i) m = std::max(m, x[i]);
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += std::exp(static_cast<double>(x[i] - m));
+  return {m, static_cast<float>(std::log(s))};
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptions& opt) {
+  if (opt.max_num_batched_tokens < 1 || opt.max_num_batched_tokens > model.options().max_batch_tokens) {
+    return InvalidArgument("max_num_batched_tokens must be in 1.." + std::to_string(model.options().max_batch_tokens) +
+                           " (the model's batch limit)");
+  }
+  if (opt.max_num_seqs < 1) return InvalidArgument("max_num_seqs must be positive");
+  if (opt.default_max_tokens < 1) return InvalidArgument("default max_tokens must be positive");
+  auto e = std::unique_ptr<Engine>(new Engine(model, opt));
+  e->PublishStats();
+  e->thread_ = std::thread([p = e.get()] { p->Loop(); });
+  return e;
+}
+
+Engine::Engine(Model& model, const EngineOptions& opt)
+    : model_(model),
+      opt_(opt),
+      scheduler_(model.blocks(), model.kv(), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {}
+
+Engine::~Engine() {
+  Shutdown();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // Run anything posted after the loop ended so no caller waits forever.
+  for (auto& fn : commands_) fn();
+  for (auto& [id, s] : seqs_) ReleaseBlocks(s->ctx.kv, model_.blocks());
+  for (auto& [key, s] : sessions_) ReleaseBlocks(s->ctx.kv, model_.blocks());
+}
+
+void Engine::Post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    commands_.push_back(std::move(fn));
+  }
+  cv_.notify_all();
+}
+
+template <typename T>
+T Engine::Call(std::function<T()> fn) {
+  auto p = std::make_shared<std::promise<T>>();
+  auto f = p->get_future();
+  Post([p, fn = std::move(fn)] { p->set_value(fn()); });
+  return f.get();
+}
+
+void Engine::RunOnEngineThread(std::function<void()> fn) {
+  Call<int>([&] {
+    fn();
+    return 0;
+  });
+}
+
+void Engine::Shutdown() {
+  if (!accepting_.exchange(false)) return;
+  Post([this] {
+    for (auto& [id, s] : seqs_) s->stream->Cancel();
+  });
+}
+
+void Engine::Loop() {
+  for (;;) {
+    std::deque<std::function<void()>> cmds;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      const bool idle = running_.empty() && waiting_.empty();
+      if (idle && commands_.empty() && !stop_) cv_.wait_for(l, std::chrono::milliseconds(250));
+      if (stop_ && commands_.empty() && seqs_.empty()) break;
+      if (stop_ && commands_.empty() && !seqs_.empty()) {
+        for (auto& [id, s] : seqs_) s->stream->Cancel();
+      }
+      cmds.swap(commands_);
+    }
+    for (auto& fn : cmds) fn();
+    ExpireSessions();
+    Step();
+    PublishStats();
+  }
+}
+
+Status Engine::ValidateTokens(const std::vector<int>& tokens, const char* field) const {
+  const int vocab = model_.config().vocab;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      return InvalidArgument(std::string(field) + "[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) +
+                             " is outside the vocabulary (0.." + std::to_string(vocab - 1) + ")");
+    }
+  }
+  return {};
+}
+
+Session* Engine::FindSession(const std::string& ns, const std::string& id) {
+  auto it = sessions_.find({ns, id});
+  return it == sessions_.end() ? nullptr : it->second.get();
+}
+
+StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(GenerateParams p) {
+  if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
+  return Call<StatusOr<std::shared_ptr<RequestStream>>>([this, p = std::move(p)]() mutable -> StatusOr<std::shared_ptr<RequestStream>> {
+    if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
+    QKV_RETURN_IF_ERROR(p.sampling.Validate());
+    if (p.prompt.empty()) return InvalidArgument("prompt is empty");
+    QKV_RETURN_IF_ERROR(ValidateTokens(p.prompt, "prompt"));
+    QKV_RETURN_IF_ERROR(ValidateTokens(p.stop_token_ids, "stop_token_ids"));
+    if (p.max_tokens == 0 || p.max_tokens < -1) return InvalidArgument("max_tokens must be at least 1");
+    if (p.logprobs < 0 || p.logprobs > 20) return InvalidArgument("logprobs must be in 0..20");
+    if (p.request_id.empty()) p.request_id = "req-" + std::to_string(next_seq_id_);
+    QKV_RETURN_IF_ERROR(ValidateId(p.request_id, "request_id"));
+    if (by_request_id_.count({p.ns, p.request_id})) {
+      return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
+    }
+    if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) {
+      return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
+    }
+    Session* session = nullptr;
+    if (!p.session_id.empty()) {
+      session = FindSession(p.ns, p.session_id);
+      if (!session) return NotFound("session '" + p.session_id + "' not found");
+      if (session->busy) {
+        return FailedPrecondition("session '" + p.session_id + "' is busy with another request; wait for it or cancel it");
+      }
+    }
+    const int max_ctx = model_.max_context();
+    const int history = session ? static_cast<int>(session->ctx.tokens.size()) : 0;
+    const int ctx_len = history + static_cast<int>(p.prompt.size());
+    int max_tokens = p.max_tokens;
+    if (max_tokens == -1) max_tokens = std::min(opt_.default_max_tokens, max_ctx - ctx_len);
+    if (ctx_len + max_tokens > max_ctx || max_tokens < 1) {
+      return InvalidArgument("context overflow: " + std::string(session ? "session history (" + std::to_string(history) + ") + " : "") +
+                             "prompt (" + std::to_string(p.prompt.size()) + ") + max_tokens (" + std::to_string(std::max(max_tokens, 1)) +
+                             ") exceeds the context of " + std::to_string(max_ctx) + " tokens" +
+                             (session ? "; truncate the session (TruncateSession) or start a new one" : ""));
+    }
+    const int B = model_.options().block_size;
+    if ((ctx_len + max_tokens + B - 1) / B > model_.blocks().total_blocks()) {
+      return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
+                               " tokens of KV cache, more than the whole cache holds (" +
+                               std::to_string(model_.blocks().total_blocks() * B) + ")");
+    }
+    auto s = std::make_unique<Sequence>();
+    s->id = next_seq_id_++;
+    s->ns_id = model_.blocks().Namespace(p.ns);
+    s->max_tokens = max_tokens;
+    s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
+    if (session) {
+      s->session = session;
+      s->session_tokens_before = session->ctx.tokens;
+      s->session_kv_before = session->ctx.kv.n_tokens;
+      s->ctx = std::move(session->ctx);
+      session->ctx = {};
+      session->busy = true;
+      session->last_used = Clock::now();
+    }
+    s->ctx.tokens.insert(s->ctx.tokens.end(), p.prompt.begin(), p.prompt.end());
+    s->n_prompt = ctx_len;
+    s->n_cached = s->ctx.kv.n_tokens;
+    s->sampler = std::make_unique<Sampler>(p.sampling, s->ctx.tokens);
+    s->text = std::make_unique<TextStream>(p.stop, p.include_stop_str_in_output);
+    s->stream = std::make_shared<RequestStream>(p.request_id);
+    s->submitted = Clock::now();
+    if (p.prompt_logprobs) s->prompt_logprobs.assign(ctx_len, NAN);
+    s->params = std::move(p);
+    by_request_id_[{s->params.ns, s->params.request_id}] = s->id;
+    waiting_.push_back(s.get());
+    auto stream = s->stream;
+    seqs_[s->id] = std::move(s);
+    return stream;
+  });
+}
+
+void Engine::Cancel(const std::string& ns, const std::string& request_id) {
+  Post([this, ns, request_id] {
+    auto it = by_request_id_.find({ns, request_id});
+    if (it == by_request_id_.end()) return;
+    seqs_[it->second]->stream->Cancel();
+  });
+}
+
+void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_reason, Status error) {
+  StreamEvent e;
+  e.final = true;
+  e.finish = reason;
+  e.stop_reason = stop_reason;
+  e.error = std::move(error);
+  if (reason != FinishReason::kError) e.text = s->text->Finish();
+  e.usage = {s->n_prompt, s->n_cached, s->n_generated};
+  const auto now = Clock::now();
+  e.timings.queue_s = s->scheduled_once ? Seconds(s->submitted, s->first_scheduled) : Seconds(s->submitted, now);
+  e.timings.ttft_s = s->emitted_token ? Seconds(s->submitted, s->first_token) : 0;
+  e.timings.total_s = Seconds(s->submitted, now);
+  if (s->params.prompt_logprobs && !s->prompt_logprobs_sent) e.prompt_logprobs = s->prompt_logprobs;
+
+  KvBlockPool& pool = model_.blocks();
+  if (Session* ss = s->session) {
+    if (reason != FinishReason::kStop && reason != FinishReason::kLength) {
+      // The turn failed: back to exactly the history before it.
+      TruncateCached(s->ctx, static_cast<int>(s->session_tokens_before.size()), pool);
+    }
+    ss->ctx = std::move(s->ctx);
+    ss->busy = false;
+    ss->last_used = now;
+  } else {
+    ReleaseBlocks(s->ctx.kv, pool);
+  }
+  switch (reason) {
+    case FinishReason::kStop: ++counters_.finished_stop; break;
+    case FinishReason::kLength: ++counters_.finished_length; break;
+    case FinishReason::kCancelled: ++counters_.finished_cancelled; break;
+    default: ++counters_.finished_error; break;
+  }
+  counters_.prompt_tokens += s->n_prompt;
+  counters_.cached_prompt_tokens += s->n_cached;
+  counters_.generated_tokens += s->n_generated;
+  running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
+  by_request_id_.erase({s->params.ns, s->params.request_id});
+  auto stream = s->stream;
+  seqs_.erase(s->id);  // s is gone from here on
+  stream->Push(std::move(e));
+}
+
+bool Engine::EvictIdleSession() {
+  Session* victim = nullptr;
+  for (auto& [key, s] : sessions_) {
+    if (s->busy || s->ctx.kv.blocks.empty()) continue;
+    if (!victim || s->priority < victim->priority || (s->priority == victim->priority && s->last_used < victim->last_used)) {
+      victim = s.get();
+    }
+  }
+  if (!victim) return false;
+  ReleaseBlocks(victim->ctx.kv, model_.blocks());
+  victim->ctx.hashes.clear();
+  ++counters_.session_evictions_memory;
+  return true;
+}
+
+void Engine::ExpireSessions() {
+  const auto now = Clock::now();
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    Session& s = *it->second;
+    if (!s.busy && s.ttl_s > 0 && Seconds(s.last_used, now) > s.ttl_s) {
+      ReleaseBlocks(s.ctx.kv, model_.blocks());
+      ++counters_.session_evictions_ttl;
+      it = sessions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Engine::Step() {
+  // Cancellations take effect before planning, so their blocks are free for this step.
+  std::vector<Sequence*> cancelled;
+  for (auto& [id, s] : seqs_) {
+    if (s->stream->cancelled()) cancelled.push_back(s.get());
+  }
+  for (Sequence* s : cancelled) Finish(s, FinishReason::kCancelled, "");
+
+  StepPlan plan = scheduler_.PlanStep(waiting_, running_, [this] { return EvictIdleSession(); });
+  for (Sequence* s : plan.preempted) {
+    running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
+    waiting_.push_front(s);
+  }
+  for (Sequence* s : plan.failed) {
+    Finish(s, FinishReason::kError, "", ResourceExhausted("the request no longer fits in the KV cache"));
+  }
+  if (plan.empty()) return;
+  ++counters_.steps;
+
+  std::vector<BatchChunk> batch;
+  batch.reserve(plan.chunks.size());
+  const auto now = Clock::now();
+  for (const ScheduledChunk& c : plan.chunks) {
+    Sequence* s = c.seq;
+    if (!s->scheduled_once) {
+      s->scheduled_once = true;
+      s->first_scheduled = now;
+    }
+    batch.push_back({&s->ctx.kv, std::span<const int>(s->ctx.tokens.data() + s->ctx.kv.n_tokens, c.n_tokens), c.all_logits});
+  }
+  std::vector<int> starts;
+  for (const ScheduledChunk& c : plan.chunks) starts.push_back(c.seq->ctx.kv.n_tokens);
+  const Status st = model_.Forward(batch);
+  if (!st.ok()) {
+    spdlog::error("forward pass failed: {}", st.ToString());
+    for (const ScheduledChunk& c : plan.chunks) Finish(c.seq, FinishReason::kError, "", Internal("forward pass failed: " + st.message()));
+    return;
+  }
+  const int V = model_.config().vocab;
+  const Tokenizer& tok = model_.tokenizer();
+  std::vector<float> row(V);
+  int r = 0;
+  std::vector<std::pair<Sequence*, std::pair<FinishReason, std::string>>> done;
+  for (size_t ci = 0; ci < plan.chunks.size(); ++ci) {
+    const ScheduledChunk& c = plan.chunks[ci];
+    Sequence* s = c.seq;
+    const int rows = c.all_logits ? c.n_tokens : 1;
+    const float* first_row = model_.logits() + static_cast<size_t>(r) * V;
+    r += rows;
+    scheduler_.RegisterFullBlocks(*s);
+    if (c.all_logits) {  // row i predicts the token at position start + i + 1
+      for (int i = 0; i < rows; ++i) {
+        const int pos = starts[ci] + i + 1;
+        if (pos >= s->n_prompt) break;
+        const float* lr = first_row + static_cast<size_t>(i) * V;
+        const auto [m, lse] = LogSumExp(lr, V);
+        s->prompt_logprobs[pos] = lr[s->ctx.tokens[pos]] - m - lse;
+      }
+    }
+    if (!c.sample) continue;
+    const float* last = first_row + static_cast<size_t>(rows - 1) * V;
+    StreamEvent e;
+    std::copy(last, last + V, row.begin());
+    const int next = s->sampler->Sample(row.data(), V);
+    if (s->params.want_logprobs || s->params.logprobs > 0) {
+      const auto [m, lse] = LogSumExp(last, V);
+      TokenLogprob lp;
+      lp.token = next;
+      lp.logprob = last[next] - m - lse;
+      if (s->params.logprobs > 0) {
+        std::vector<int> idx(V);
+        for (int i = 0; i < V; ++i) idx[i] = i;
+        const int k = std::min(V, s->params.logprobs);
+        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) { return last[a] > last[b] || (last[a] == last[b] && a < b); });
+        for (int i = 0; i < k; ++i) lp.top.emplace_back(idx[i], last[idx[i]] - m - lse);
+      }
+      e.logprobs.push_back(std::move(lp));
+    }
+    s->sampler->Accept(next);
+    s->ctx.tokens.push_back(next);
+    ++s->n_generated;
+    if (!s->emitted_token) {
+      s->emitted_token = true;
+      s->first_token = Clock::now();
+    }
+    e.token_ids.push_back(next);
+    FinishReason reason = FinishReason::kNone;
+    std::string stop_reason;
+    const bool is_stop_token = std::find(s->params.stop_token_ids.begin(), s->params.stop_token_ids.end(), next) != s->params.stop_token_ids.end();
+    if (!s->params.ignore_eos && next == tok.eos_id()) {
+      reason = FinishReason::kStop;
+      stop_reason = "eos";
+    } else if (is_stop_token) {
+      reason = FinishReason::kStop;
+      stop_reason = std::to_string(next);
+    } else {
+      e.text = s->text->Push(tok.TokenBytes(next));
+      if (s->text->stopped()) {
+        reason = FinishReason::kStop;
+        stop_reason = s->text->matched_stop();
+      } else if (s->n_generated >= s->max_tokens || static_cast<int>(s->ctx.tokens.size()) >= model_.max_context()) {
+        reason = FinishReason::kLength;
+      }
+    }
+    if (s->params.prompt_logprobs && !s->prompt_logprobs_sent) {
+      e.prompt_logprobs = s->prompt_logprobs;
+      s->prompt_logprobs_sent = true;
+    }
+    s->stream->Push(std::move(e));
+    if (reason != FinishReason::kNone) done.push_back({s, {reason, stop_reason}});
+  }
+  for (auto& [s, why] : done) Finish(s, why.first, why.second);
+}
+
+SessionInfo Engine::Info(const Session& s, bool with_tokens) const {
+  SessionInfo i;
+  i.id = s.id;
+  i.affinity_key = s.affinity_key;
+  i.n_tokens = static_cast<int>(s.ctx.tokens.size());
+  i.n_cached_tokens = s.ctx.kv.n_tokens;
+  i.resident_blocks = static_cast<int64_t>(s.ctx.kv.blocks.size());
+  i.resident_bytes = i.resident_blocks * model_.kv().shape().bytes_per_block();
+  i.evicted = s.evicted();
+  i.busy = s.busy;
+  i.ttl_s = s.ttl_s;
+  i.priority = s.priority;
+  i.created_unix = UnixTime(s.created);
+  i.last_used_unix = UnixTime(s.last_used);
+  if (with_tokens) i.tokens = s.ctx.tokens;
+  return i;
+}
+
+StatusOr<SessionInfo> Engine::CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
+                                            std::vector<int> initial_tokens) {
+  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
+    QKV_RETURN_IF_ERROR(ValidateId(id, "session_id"));
+    if (!(ttl_s >= 0)) return InvalidArgument("ttl must not be negative");
+    QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_tokens"));
+    if (static_cast<int>(initial_tokens.size()) >= model_.max_context()) {
+      return InvalidArgument("initial_tokens (" + std::to_string(initial_tokens.size()) + ") must be shorter than the context of " +
+                             std::to_string(model_.max_context()));
+    }
+    if (sessions_.count({ns, id})) return Status(StatusCode::kAlreadyExists, "session '" + id + "' already exists");
+    if (static_cast<int>(sessions_.size()) >= opt_.max_sessions) return ResourceExhausted("too many sessions");
+    auto s = std::make_unique<Session>();
+    s->id = id;
+    s->ns = ns;
+    s->ns_id = model_.blocks().Namespace(ns);
+    s->affinity_key = id;
+    s->ctx.tokens = std::move(initial_tokens);
+    s->ttl_s = ttl_s;
+    s->priority = priority;
+    s->created = s->last_used = Clock::now();
+    SessionInfo info = Info(*s, false);
+    sessions_[{ns, id}] = std::move(s);
+    return info;
+  });
+}
+
+StatusOr<SessionInfo> Engine::GetSession(const std::string& ns, const std::string& id, bool with_tokens) {
+  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
+    Session* s = FindSession(ns, id);
+    if (!s) return NotFound("session '" + id + "' not found");
+    if (s->busy) {  // its context is with the running request
+      auto it = std::find_if(seqs_.begin(), seqs_.end(), [&](const auto& kv) { return kv.second->session == s; });
+      SessionInfo i = Info(*s, false);
+      if (it != seqs_.end()) {
+        i.n_tokens = static_cast<int>(it->second->session_tokens_before.size());
+        if (with_tokens) i.tokens = it->second->session_tokens_before;
+      }
+      return i;
+    }
+    return Info(*s, with_tokens);
+  });
+}
+
+std::vector<SessionInfo> Engine::ListSessions(const std::string& ns) {
+  return Call<std::vector<SessionInfo>>([&] {
+    std::vector<SessionInfo> out;
+    for (auto it = sessions_.lower_bound({ns, ""}); it != sessions_.end() && it->first.first == ns; ++it) {
+      out.push_back(Info(*it->second, false));
+    }
+    return out;
+  });
+}
+
+StatusOr<SessionInfo> Engine::ForkSession(const std::string& ns, const std::string& parent, const std::string& child) {
+  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
+    QKV_RETURN_IF_ERROR(ValidateId(child, "child session_id"));
+    Session* p = FindSession(ns, parent);
+    if (!p) return NotFound("session '" + parent + "' not found");
+    if (p->busy) return FailedPrecondition("session '" + parent + "' is busy with another request");
+    if (sessions_.count({ns, child})) return Status(StatusCode::kAlreadyExists, "session '" + child + "' already exists");
+    auto s = std::make_unique<Session>();
+    s->id = child;
+    s->ns = ns;
+    s->ns_id = p->ns_id;
+    s->affinity_key = p->affinity_key;
+    s->ctx = p->ctx;  // shares the parent's blocks, copy-on-write
+    for (int b : s->ctx.kv.blocks) model_.blocks().Ref(b);
+    s->ttl_s = p->ttl_s;
+    s->priority = p->priority;
+    s->created = s->last_used = Clock::now();
+    SessionInfo info = Info(*s, false);
+    sessions_[{ns, child}] = std::move(s);
+    return info;
+  });
+}
+
+StatusOr<SessionInfo> Engine::TruncateSession(const std::string& ns, const std::string& id, int n_tokens) {
+  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
+    Session* s = FindSession(ns, id);
+    if (!s) return NotFound("session '" + id + "' not found");
+    if (s->busy) return FailedPrecondition("session '" + id + "' is busy with another request");
+    if (n_tokens < 0 || n_tokens > static_cast<int>(s->ctx.tokens.size())) {
+      return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) + " (the session's length)");
+    }
+    TruncateCached(s->ctx, n_tokens, model_.blocks());
+    s->last_used = Clock::now();
+    return Info(*s, false);
+  });
+}
+
+Status Engine::CloseSession(const std::string& ns, const std::string& id) {
+  return Call<Status>([&]() -> Status {
+    auto it = sessions_.find({ns, id});
+    if (it == sessions_.end()) return NotFound("session '" + id + "' not found");
+    if (it->second->busy) return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
+    ReleaseBlocks(it->second->ctx.kv, model_.blocks());
+    sessions_.erase(it);
+    ++counters_.session_evictions_closed;
+    return {};
+  });
+}
+
+void Engine::PublishStats() {
+  EngineStats s = counters_;
+  const KvBlockPool& pool = model_.blocks();
+  const int B = pool.block_size();
+  s.blocks_total = pool.total_blocks();
+  s.blocks_used = pool.used_blocks();
+  s.blocks_cached = pool.cached_blocks();
+  s.blocks_free = pool.free_blocks();
+  s.block_size = B;
+  s.kv_bytes_per_token = model_.kv().shape().bytes_per_token();
+  s.tokens_capacity = s.blocks_total * B;
+  // Token slots holding K/V: per used block, the most positions any owner has filled in it.
+  std::vector<int> filled(static_cast<size_t>(s.blocks_total), 0);
+  auto account = [&](const SeqKv& kv) {
+    for (size_t i = 0; i < kv.blocks.size(); ++i) {
+      const int n = std::clamp(kv.n_tokens - static_cast<int>(i) * B, 0, B);
+      filled[kv.blocks[i]] = std::max(filled[kv.blocks[i]], n);
+    }
+  };
+  for (const auto& [id, q] : seqs_) account(q->ctx.kv);
+  int64_t session_blocks = 0;
+  for (const auto& [key, ss] : sessions_) {
+    account(ss->ctx.kv);
+    session_blocks += static_cast<int64_t>(ss->ctx.kv.blocks.size());
+    if (ss->evicted()) ++s.sessions_evicted; else ++s.sessions_resident;
+  }
+  for (size_t b = 0; b < filled.size(); ++b) {
+    if (pool.ref_count(static_cast<int>(b)) > 0) s.tokens_used += filled[b];
+  }
+  s.slack_tokens = s.blocks_used * B - s.tokens_used;
+  s.session_kv_bytes = session_blocks * model_.kv().shape().bytes_per_block();
+  s.requests_running = static_cast<int64_t>(running_.size());
+  s.requests_waiting = static_cast<int64_t>(waiting_.size());
+  s.preemptions = scheduler_.preemptions();
+  s.prefix_queries_tokens = scheduler_.prefix_queries_tokens();
+  s.prefix_hits_tokens = scheduler_.prefix_hits_tokens();
+  std::lock_guard<std::mutex> l(stats_mu_);
+  published_ = s;
+}
+
+EngineStats Engine::Stats() const {
+  std::lock_guard<std::mutex> l(stats_mu_);
+  return published_;
+}
+
+std::string Engine::CheckConsistency() {
+  return Call<std::string>([this] {
+    const KvBlockPool& pool = model_.blocks();
+    std::string err = pool.CheckInvariants();
+    if (!err.empty()) return err;
+    std::vector<int> refs(static_cast<size_t>(pool.total_blocks()), 0);
+    const int B = pool.block_size();
+    auto count = [&](const CachedTokens& c, const std::string& who) -> std::string {
+      if (static_cast<int>(c.kv.blocks.size()) * B < c.kv.n_tokens) return who + " has fewer blocks than positions";
+      if (c.kv.n_tokens > static_cast<int>(c.tokens.size())) return who + " has more positions than tokens";
+      for (int b : c.kv.blocks) ++refs[b];
+      return "";
+    };
+    for (const auto& [id, q] : seqs_) {
+      if (auto e = count(q->ctx, "request " + q->params.request_id); !e.empty()) return e;
+    }
+    for (const auto& [key, ss] : sessions_) {
+      if (auto e = count(ss->ctx, "session " + ss->id); !e.empty()) return e;
+    }
+    for (size_t b = 0; b < refs.size(); ++b) {
+      if (refs[b] != pool.ref_count(static_cast<int>(b))) {
+        return "block " + std::to_string(b) + " has ref_count " + std::to_string(pool.ref_count(static_cast<int>(b))) +
+               " but " + std::to_string(refs[b]) + " owners";
+      }
+    }
+    return std::string();
+  });
+}
+
+}  // namespace qkv

@@ -1,0 +1,144 @@
+// The continuous-batching engine: one thread owns the model, the KV cache, the sessions and the schedule.
+// Other threads talk to it through this class only: calls post a command to the engine thread and wait
+// for its answer (at most one step), and tokens stream back through RequestStream.
+//
+// Each step: run posted commands → close expired sessions → drop cancelled requests → plan (scheduler)
+// → one forward pass over the plan → sample, stream, retire finished sequences → publish a stats snapshot.
+//
+// Sessions: a named conversation whose KV blocks stay resident between requests. A request on a session
+// appends its prompt to the history, prefills only what is not cached, and on success the history takes
+// every prompt and sampled token (including the one that ended the turn). A turn that is cancelled or
+// fails leaves the session as it was before the turn: the same tokens, and K/V that is the same or covers
+// one more of those tokens (a history position the turn computed keeps its valid K/V).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/model.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+
+namespace qkv {
+
+struct EngineOptions {
+  int max_num_batched_tokens = 512;  // must not exceed the model's max_batch_tokens
+  int max_num_seqs = 64;
+  bool prefix_caching = true;
+  int max_waiting = 1024;        // queued requests beyond this are refused (RESOURCE_EXHAUSTED)
+  int default_max_tokens = 256;  // when a request gives none (capped by the context)
+  int max_sessions = 100000;
+};
+
+struct SessionInfo {
+  std::string id;
+  std::string affinity_key;
+  int n_tokens = 0;         // history length
+  int n_cached_tokens = 0;  // positions holding K/V
+  int64_t resident_blocks = 0;
+  int64_t resident_bytes = 0;
+  bool evicted = false;
+  bool busy = false;
+  double ttl_s = 0;
+  int priority = 0;
+  double created_unix = 0, last_used_unix = 0;
+  std::vector<int> tokens;  // only when asked
+};
+
+struct EngineStats {
+  int64_t blocks_total = 0, blocks_used = 0, blocks_cached = 0, blocks_free = 0;
+  int block_size = 0;
+  int64_t kv_bytes_per_token = 0;
+  int64_t tokens_capacity = 0, tokens_used = 0, slack_tokens = 0;
+  int64_t sessions_resident = 0, sessions_evicted = 0, session_kv_bytes = 0;
+  int64_t requests_running = 0, requests_waiting = 0;
+  uint64_t preemptions = 0;
+  uint64_t session_evictions_memory = 0, session_evictions_ttl = 0, session_evictions_closed = 0;
+  uint64_t prefix_queries_tokens = 0, prefix_hits_tokens = 0;
+  uint64_t finished_stop = 0, finished_length = 0, finished_cancelled = 0, finished_error = 0;
+  uint64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
+  uint64_t steps = 0;
+};
+
+class Engine {
+ public:
+  // The model must outlive the engine. Starts the engine thread.
+  static StatusOr<std::unique_ptr<Engine>> Create(Model& model, const EngineOptions& opt);
+  ~Engine();  // cancels what runs and joins the thread
+
+  // Validates and queues a request. Errors: INVALID_ARGUMENT (bad tokens, ranges, context overflow),
+  // NOT_FOUND (unknown session), FAILED_PRECONDITION (session busy), RESOURCE_EXHAUSTED (queue full or
+  // the request cannot fit even in an empty cache), ALREADY_EXISTS (request id in use), UNAVAILABLE (stopping).
+  StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateParams p);
+  // Cancels a request of namespace ns; unknown ids are a no-op. Takes effect within one step.
+  void Cancel(const std::string& ns, const std::string& request_id);
+
+  StatusOr<SessionInfo> CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
+                                      std::vector<int> initial_tokens);
+  StatusOr<SessionInfo> GetSession(const std::string& ns, const std::string& id, bool with_tokens);
+  std::vector<SessionInfo> ListSessions(const std::string& ns);
+  StatusOr<SessionInfo> ForkSession(const std::string& ns, const std::string& parent, const std::string& child);
+  StatusOr<SessionInfo> TruncateSession(const std::string& ns, const std::string& id, int n_tokens);
+  Status CloseSession(const std::string& ns, const std::string& id);
+
+  // The snapshot published after the last step (never takes the engine's lock).
+  EngineStats Stats() const;
+  // Stops taking requests (UNAVAILABLE) and cancels the running ones.
+  void Shutdown();
+  // Test hook: checks block accounting against every owner; "" when consistent. Runs on the engine thread.
+  std::string CheckConsistency();
+  // Test hook: runs fn on the engine thread between steps.
+  void RunOnEngineThread(std::function<void()> fn);
+  const Model& model() const { return model_; }
+  const EngineOptions& options() const { return opt_; }
+
+ private:
+  Engine(Model& model, const EngineOptions& opt);
+  void Loop();
+  void Post(std::function<void()> fn);
+  template <typename T>
+  T Call(std::function<T()> fn);
+  void Step();
+  void Finish(Sequence* s, FinishReason reason, const std::string& stop_reason, Status error = {});
+  void ExpireSessions();
+  bool EvictIdleSession();
+  SessionInfo Info(const Session& s, bool with_tokens) const;
+  void PublishStats();
+  Session* FindSession(const std::string& ns, const std::string& id);
+  Status ValidateTokens(const std::vector<int>& tokens, const char* field) const;
+
+  Model& model_;
+  EngineOptions opt_;
+  Scheduler scheduler_;
+  std::thread thread_;
+
+  std::mutex mu_;  // guards commands_ and stop_
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> commands_;
+  bool stop_ = false;
+  std::atomic<bool> accepting_{true};
+
+  // Engine-thread state.
+  uint64_t next_seq_id_ = 1;
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;
+  std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
+  std::map<std::pair<std::string, std::string>, uint64_t> by_request_id_;
+  std::map<std::pair<std::string, std::string>, std::unique_ptr<Session>> sessions_;
+  EngineStats counters_;
+
+  mutable std::mutex stats_mu_;
+  EngineStats published_;
+};
+
+}  // namespace qkv

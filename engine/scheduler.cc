@@ -1,0 +1,156 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+namespace qkv {
+
+void TruncateCached(CachedTokens& ctx, int n, KvBlockPool& pool) {
+  const int B = pool.block_size();
+  if (static_cast<int>(ctx.tokens.size()) > n) ctx.tokens.resize(n);
+  ctx.kv.n_tokens = std::min(ctx.kv.n_tokens, n);
+  const size_t keep = static_cast<size_t>((ctx.kv.n_tokens + B - 1) / B);
+  while (ctx.kv.blocks.size() > keep) {
+    pool.Unref(ctx.kv.blocks.back());
+    ctx.kv.blocks.pop_back();
+  }
+  ctx.hashes.resize(std::min(ctx.hashes.size(), static_cast<size_t>(ctx.kv.n_tokens / B)));
+}
+
+int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns) {
+  if (!opt_.prefix_caching) return 0;
+  const int B = pool_.block_size();
+  SeqKv& kv = ctx.kv;
+  if (kv.n_tokens % B != 0 || kv.blocks.size() != static_cast<size_t>(kv.n_tokens / B) ||
+      ctx.hashes.size() != kv.blocks.size()) {
+    return 0;
+  }
+  // Leave at least one token to compute: its logits are needed to sample.
+  const int max_full = (static_cast<int>(ctx.tokens.size()) - 1) / B;
+  int reused = 0;
+  for (int i = static_cast<int>(kv.blocks.size()); i < max_full; ++i) {
+    const uint64_t parent = i ? ctx.hashes[i - 1] : 0;
+    const std::span<const int> toks(ctx.tokens.data() + static_cast<size_t>(i) * B, B);
+    const uint64_t h = KvBlockPool::ChainHash(parent, ns, toks);
+    const int b = pool_.Lookup(h, parent, ns, toks);
+    if (b < 0) break;
+    pool_.Ref(b);
+    kv.blocks.push_back(b);
+    ctx.hashes.push_back(h);
+    kv.n_tokens += B;
+    reused += B;
+  }
+  return reused;
+}
+
+void Scheduler::RegisterFullBlocks(Sequence& seq) {
+  if (!opt_.prefix_caching) return;
+  const int B = pool_.block_size();
+  CachedTokens& c = seq.ctx;
+  const int full = c.kv.n_tokens / B;
+  for (int i = static_cast<int>(c.hashes.size()); i < full; ++i) {
+    const uint64_t parent = i ? c.hashes[i - 1] : 0;
+    const std::span<const int> toks(c.tokens.data() + static_cast<size_t>(i) * B, B);
+    const uint64_t h = KvBlockPool::ChainHash(parent, seq.ns_id, toks);
+    pool_.Register(c.kv.blocks[i], h, parent, seq.ns_id, toks);
+    c.hashes.push_back(h);
+  }
+}
+
+void Scheduler::Preempt(Sequence& s) {
+  ReleaseBlocks(s.ctx.kv, pool_);
+  s.ctx.hashes.clear();
+  ++s.preemptions;
+  ++preemptions_;
+}
+
+bool Scheduler::MakeRoom(int64_t blocks, Sequence& for_seq, std::vector<Sequence*>& running, StepPlan& plan,
+                         const Evictor& evict) {
+  while (pool_.available_blocks() < blocks) {
+    if (evict()) continue;
+    // Preempt by recompute: lowest priority first, then the newest.
+    Sequence* victim = nullptr;
+    for (Sequence* s : running) {
+      if (s == &for_seq || s->ctx.kv.blocks.empty()) continue;
+      const bool scheduled = std::any_of(plan.chunks.begin(), plan.chunks.end(), [&](const auto& c) { return c.seq == s; });
+      if (scheduled) continue;
+      if (!victim || s->params.priority < victim->params.priority ||
+          (s->params.priority == victim->params.priority && s->id > victim->id)) {
+        victim = s;
+      }
+    }
+    if (!victim) return false;
+    Preempt(*victim);
+    plan.preempted.push_back(victim);
+  }
+  return true;
+}
+
+bool Scheduler::EnsureBlocks(Sequence& seq, int end, std::vector<Sequence*>& running, StepPlan& plan,
+                             const Evictor& evict) {
+  const int B = pool_.block_size();
+  SeqKv& kv = seq.ctx.kv;
+  const int64_t need = std::max<int64_t>(0, (end + B - 1) / B - static_cast<int64_t>(kv.blocks.size()));
+  const int wi = kv.n_tokens / B;  // the block the first new token is written into
+  const bool cow = kv.n_tokens % B != 0 && (pool_.ref_count(kv.blocks[wi]) > 1 || pool_.is_registered(kv.blocks[wi]));
+  const int64_t total = need + (cow ? 1 : 0);
+  if (total > pool_.available_blocks() && !MakeRoom(total, seq, running, plan, evict)) {
+    const int64_t whole = (static_cast<int64_t>(seq.ctx.tokens.size()) + seq.max_tokens - seq.n_generated + B - 1) / B;
+    if (whole > pool_.total_blocks()) plan.failed.push_back(&seq);
+    return false;
+  }
+  if (cow) {  // never write into a shared or cached block
+    const int nb = pool_.Allocate();
+    kv_.CopyBlock(kv.blocks[wi], nb);
+    pool_.Unref(kv.blocks[wi]);
+    kv.blocks[wi] = nb;
+  }
+  for (int64_t i = 0; i < need; ++i) kv.blocks.push_back(pool_.Allocate());
+  return true;
+}
+
+StepPlan Scheduler::PlanStep(std::deque<Sequence*>& waiting, std::vector<Sequence*>& running, const Evictor& evict) {
+  StepPlan plan;
+  // Admission: highest priority first, then arrival order.
+  while (static_cast<int>(running.size()) < opt_.max_num_seqs && !waiting.empty()) {
+    auto best = waiting.begin();
+    for (auto it = waiting.begin(); it != waiting.end(); ++it) {
+      if ((*it)->params.priority > (*best)->params.priority) best = it;
+    }
+    Sequence* s = *best;
+    waiting.erase(best);
+    if (s->use_prefix_cache && s->ctx.kv.n_tokens < static_cast<int>(s->ctx.tokens.size()) - 1) {
+      const int before = s->ctx.kv.n_tokens;
+      ReusePrefix(s->ctx, s->ns_id);
+      if (s->preemptions == 0) s->n_cached = s->ctx.kv.n_tokens;
+      if (s->preemptions == 0) CountPrefixQuery(s->n_prompt - before, s->ctx.kv.n_tokens - before);
+    }
+    running.push_back(s);
+  }
+  // Decodes first (one token each), then prompt chunks, each group by priority then arrival.
+  std::vector<Sequence*> order(running.begin(), running.end());
+  std::stable_sort(order.begin(), order.end(), [](const Sequence* a, const Sequence* b) {
+    const bool da = a->pending() == 1 && a->n_generated > 0, db = b->pending() == 1 && b->n_generated > 0;
+    if (da != db) return da;
+    if (a->params.priority != b->params.priority) return a->params.priority > b->params.priority;
+    return a->id < b->id;
+  });
+  int budget = opt_.max_num_batched_tokens;
+  for (Sequence* s : order) {
+    if (budget == 0) break;
+    if (std::find(plan.preempted.begin(), plan.preempted.end(), s) != plan.preempted.end()) continue;
+    const int n = std::min(s->pending(), budget);
+    if (n <= 0) continue;
+    if (!EnsureBlocks(*s, s->ctx.kv.n_tokens + n, running, plan, evict)) continue;
+    ScheduledChunk c;
+    c.seq = s;
+    c.n_tokens = n;
+    c.sample = s->ctx.kv.n_tokens + n == static_cast<int>(s->ctx.tokens.size());
+    c.all_logits = s->params.prompt_logprobs && s->ctx.kv.n_tokens < s->n_prompt;
+    plan.chunks.push_back(c);
+    plan.n_tokens += n;
+    budget -= n;
+  }
+  return plan;
+}
+
+}  // namespace qkv

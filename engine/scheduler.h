@@ -1,0 +1,81 @@
+// Decides what the next engine step computes: which sequences run and how many of their tokens, within
+// a token budget (max_num_batched_tokens) and a sequence limit (max_num_seqs). Decodes go first so a long
+// prompt cannot stall them; prompts are prefilled in chunks with what budget remains.
+//
+// It also makes room in the KV cache when a step needs blocks: unreferenced prefix blocks are evicted by
+// the pool itself (LRU); then idle sessions' KV is dropped (through the Evictor); then running sequences
+// are preempted by recompute (lowest priority, newest first). The plan is a small explicit object that
+// the engine hands to the model.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <vector>
+
+#include "engine/kv_cache.h"
+#include "engine/sequence.h"
+
+namespace qkv {
+
+struct SchedulerOptions {
+  int max_num_batched_tokens = 512;
+  int max_num_seqs = 64;
+  bool prefix_caching = true;
+};
+
+struct ScheduledChunk {
+  Sequence* seq = nullptr;
+  int n_tokens = 0;         // positions seq->ctx.kv.n_tokens .. + n_tokens
+  bool sample = false;      // the chunk reaches the end of the context: sample after it
+  bool all_logits = false;  // logits for every token (prompt logprobs)
+};
+
+struct StepPlan {
+  std::vector<ScheduledChunk> chunks;
+  std::vector<Sequence*> preempted;  // lost their KV this step; they recompute later
+  std::vector<Sequence*> failed;     // cannot fit even in an empty cache
+  int n_tokens = 0;
+  bool empty() const { return chunks.empty(); }
+};
+
+class Scheduler {
+ public:
+  // Drops one idle session's KV to free blocks; false when no idle session holds any.
+  using Evictor = std::function<bool()>;
+
+  Scheduler(KvBlockPool& pool, KvCache& kv, const SchedulerOptions& opt) : pool_(pool), kv_(kv), opt_(opt) {}
+  const SchedulerOptions& options() const { return opt_; }
+
+  // Moves admissible waiting sequences to running (priority order, then arrival), reusing cached prefix
+  // blocks, then plans one step.
+  StepPlan PlanStep(std::deque<Sequence*>& waiting, std::vector<Sequence*>& running, const Evictor& evict);
+
+  // After a step: registers blocks that became full in the prefix cache.
+  void RegisterFullBlocks(Sequence& seq);
+  // Takes cached prefix blocks for ctx (from position kv.n_tokens on); returns how many tokens it reused.
+  int ReusePrefix(CachedTokens& ctx, uint32_t ns);
+
+  uint64_t prefix_queries_tokens() const { return prefix_queries_; }
+  uint64_t prefix_hits_tokens() const { return prefix_hits_; }
+  uint64_t preemptions() const { return preemptions_; }
+  void CountPrefixQuery(int queried, int hit) {
+    prefix_queries_ += queried;
+    prefix_hits_ += hit;
+  }
+
+ private:
+  // Makes seq's blocks cover positions up to end and its write block private (copy-on-write).
+  bool EnsureBlocks(Sequence& seq, int end, std::vector<Sequence*>& running, StepPlan& plan, const Evictor& evict);
+  bool MakeRoom(int64_t blocks, Sequence& for_seq, std::vector<Sequence*>& running, StepPlan& plan, const Evictor& evict);
+  void Preempt(Sequence& s);
+
+  KvBlockPool& pool_;
+  KvCache& kv_;
+  SchedulerOptions opt_;
+  uint64_t prefix_queries_ = 0, prefix_hits_ = 0, preemptions_ = 0;
+};
+
+// Truncates cached tokens to n (tokens, KV and known hashes), dropping block references past the end.
+void TruncateCached(CachedTokens& ctx, int n, KvBlockPool& pool);
+
+}  // namespace qkv

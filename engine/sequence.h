@@ -1,0 +1,66 @@
+// The state of one request in flight (Sequence) and of one named conversation (Session). Both are owned
+// by the engine thread; nothing here is thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/block_manager.h"
+#include "engine/request.h"
+#include "engine/sampler.h"
+#include "engine/text_stream.h"
+
+namespace qkv {
+
+using Clock = std::chrono::steady_clock;
+
+// A token list whose K/V live (partly) in the cache.
+struct CachedTokens {
+  std::vector<int> tokens;       // every token of the context
+  SeqKv kv;                      // blocks; kv.n_tokens positions hold K/V (<= tokens.size())
+  std::vector<uint64_t> hashes;  // chain hashes of the leading full blocks whose content is known
+};
+
+struct Session {
+  std::string id;
+  std::string ns;
+  uint32_t ns_id = 0;
+  std::string affinity_key;  // its own id, or its fork root's
+  CachedTokens ctx;
+  double ttl_s = 0;  // idle time before it is closed; 0: never
+  int priority = 0;
+  Clock::time_point created, last_used;
+  bool busy = false;  // a request is running on it
+  bool evicted() const { return ctx.kv.blocks.empty() && !ctx.tokens.empty(); }
+};
+
+struct Sequence {
+  uint64_t id = 0;
+  GenerateParams params;
+  uint32_t ns_id = 0;
+  CachedTokens ctx;
+  int n_prompt = 0;   // context length before generation
+  int n_cached = 0;   // context tokens reused at admission
+  int n_generated = 0;
+  int max_tokens = 0;
+  bool use_prefix_cache = true;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<TextStream> text;
+  std::shared_ptr<RequestStream> stream;
+  Session* session = nullptr;
+  std::vector<int> session_tokens_before;  // to restore the session if the turn fails
+  int session_kv_before = 0;
+  std::vector<float> prompt_logprobs;
+  bool prompt_logprobs_sent = false;
+  Clock::time_point submitted, first_scheduled, first_token;
+  bool scheduled_once = false;
+  bool emitted_token = false;
+  int preemptions = 0;
+  // Tokens still to compute before the next sample.
+  int pending() const { return static_cast<int>(ctx.tokens.size()) - ctx.kv.n_tokens; }
+};
+
+}  // namespace qkv

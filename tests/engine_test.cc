@@ -1,0 +1,333 @@
+#include "engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <random>
+
+#include "tests/test_util.h"
+
+namespace qkv {
+namespace {
+
+struct Result {
+  std::vector<int> tokens;
+  std::vector<float> logprobs;
+  std::string text;
+  StreamEvent final;
+};
+
+Result Drain(const std::shared_ptr<RequestStream>& s) {
+  Result r;
+  StreamEvent e;
+  for (;;) {
+    EXPECT_TRUE(s->Next(&e, std::chrono::seconds(60))) << "stream stalled";
+    r.tokens.insert(r.tokens.end(), e.token_ids.begin(), e.token_ids.end());
+    for (const auto& lp : e.logprobs) r.logprobs.push_back(lp.logprob);
+    r.text += e.text;
+    if (e.final) {
+      r.final = e;
+      return r;
+    }
+  }
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void Start(int64_t kv_blocks = 256, int max_batched = 64, int block_size = 16, bool prefix = true) {
+    cfg_ = testing::SmallConfig(Arch::kQwen3);
+    const std::string path = testing::WriteModel(cfg_, "engine_model", 5);
+    ModelOptions mo;
+    mo.n_threads = 2;
+    mo.max_batch_tokens = 64;
+    mo.kv_blocks = kv_blocks;
+    mo.block_size = block_size;
+    auto m = Model::Load(path, mo);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    model_ = std::move(*m);
+    EngineOptions eo;
+    eo.max_num_batched_tokens = max_batched;
+    eo.max_num_seqs = 16;
+    eo.prefix_caching = prefix;
+    auto e = Engine::Create(*model_, eo);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    engine_ = std::move(*e);
+  }
+  void TearDown() override {
+    engine_.reset();
+    model_.reset();
+  }
+  GenerateParams Greedy(std::vector<int> prompt, int max_tokens, std::string session = "") {
+    GenerateParams p;
+    p.prompt = std::move(prompt);
+    p.max_tokens = max_tokens;
+    p.sampling.temperature = 0;
+    p.ignore_eos = true;
+    p.want_logprobs = true;
+    p.session_id = std::move(session);
+    return p;
+  }
+  Result Run(GenerateParams p) {
+    auto s = engine_->Submit(std::move(p));
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? Drain(*s) : Result{};
+  }
+  std::vector<int> Prompt(int n, int salt) {
+    std::vector<int> t;
+    for (int i = 0; i < n; ++i) t.push_back((i * 31 + salt * 17 + 3) % cfg_.vocab);
+    return t;
+  }
+
+  ModelConfig cfg_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Engine> engine_;
+};
+
+// A request's greedy tokens and logprobs are bit-identical alone and with 1-15 other requests of
+// different lengths, with chunked prefill (64-token budget) and with prefix-cache hits.
+TEST_F(EngineTest, BatchInvariance) {
+  Start();
+  const std::vector<int> target = Prompt(70, 1);
+  const Result alone = Run(Greedy(target, 24));
+  ASSERT_EQ(alone.tokens.size(), 24u);
+  for (int others : {1, 3, 7, 15}) {
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (int k = 0; k < others; ++k) {
+      std::vector<int> p = Prompt(5 + 13 * k % 90, 100 + k);
+      if (k % 3 == 0) p.insert(p.begin(), target.begin(), target.begin() + 32);  // shares cached prefix blocks
+      auto s = engine_->Submit(Greedy(p, 8 + k));
+      ASSERT_TRUE(s.ok());
+      streams.push_back(*s);
+    }
+    auto mine = engine_->Submit(Greedy(target, 24));
+    ASSERT_TRUE(mine.ok());
+    const Result together = Drain(*mine);
+    for (auto& s : streams) Drain(s);
+    EXPECT_EQ(together.tokens, alone.tokens) << others << " others";
+    ASSERT_EQ(together.logprobs.size(), alone.logprobs.size());
+    EXPECT_EQ(0, std::memcmp(together.logprobs.data(), alone.logprobs.data(), alone.logprobs.size() * sizeof(float)))
+        << others << " others";
+    EXPECT_GT(together.final.usage.cached_tokens, 0) << "the second run should hit the prefix cache";
+  }
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+  EXPECT_GT(engine_->Stats().prefix_hits_tokens, 0u);
+}
+
+// A three-turn session produces the same tokens as sending the full history fresh each turn, reuses its
+// KV (cached_tokens), and accounts prompt tokens as the whole context.
+TEST_F(EngineTest, SessionEquivalenceAndAccounting) {
+  Start(256, 64, 16, /*prefix=*/false);  // prefix caching off: reuse must come from the session itself
+  ASSERT_TRUE(engine_->CreateSession("", "chat", 0, 0, {}).ok());
+  std::vector<int> history;
+  for (int turn = 0; turn < 3; ++turn) {
+    const std::vector<int> prompt = Prompt(20 + turn * 7, turn);
+    const Result s = Run(Greedy(prompt, 12, "chat"));
+    std::vector<int> full = history;
+    full.insert(full.end(), prompt.begin(), prompt.end());
+    const Result fresh = Run(Greedy(full, 12));
+    EXPECT_EQ(s.tokens, fresh.tokens) << "turn " << turn;
+    EXPECT_EQ(s.final.usage.prompt_tokens, static_cast<int>(full.size()));
+    if (turn == 0) EXPECT_EQ(s.final.usage.cached_tokens, 0);
+    else EXPECT_EQ(s.final.usage.cached_tokens, static_cast<int>(history.size()) - 1);  // all but the last sampled token
+    history = full;
+    history.insert(history.end(), s.tokens.begin(), s.tokens.end());
+    auto info = engine_->GetSession("", "chat", true);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->tokens, history);
+  }
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+  ASSERT_TRUE(engine_->CloseSession("", "chat").ok());
+  engine_->RunOnEngineThread([] {});
+  EXPECT_EQ(engine_->Stats().blocks_used, 0);
+}
+
+TEST_F(EngineTest, CancelledTurnLeavesTheSessionAsItWas) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("", "s", 0, 0, {}).ok());
+  Run(Greedy(Prompt(30, 1), 5, "s"));
+  auto before = engine_->GetSession("", "s", true);
+  ASSERT_TRUE(before.ok());
+  auto st = engine_->Submit(Greedy(Prompt(40, 2), 150, "s"));
+  ASSERT_TRUE(st.ok());
+  StreamEvent e;
+  ASSERT_TRUE((*st)->Next(&e, std::chrono::seconds(30)));  // running
+  auto busy = engine_->Submit(Greedy(Prompt(3, 3), 2, "s"));
+  EXPECT_EQ(busy.status().code(), StatusCode::kFailedPrecondition);
+  engine_->Cancel("", (*st)->request_id());
+  const Result r = Drain(*st);
+  EXPECT_EQ(r.final.finish, FinishReason::kCancelled);
+  auto after = engine_->GetSession("", "s", true);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tokens, before->tokens);
+  // Positions the turn computed for history tokens stay valid (same bits as before), so KV can only grow.
+  EXPECT_GE(after->n_cached_tokens, before->n_cached_tokens);
+  EXPECT_LE(after->n_cached_tokens, after->n_tokens);
+  // The next turn behaves as if the cancelled one never happened.
+  std::vector<int> full = before->tokens;
+  const std::vector<int> p = Prompt(9, 4);
+  full.insert(full.end(), p.begin(), p.end());
+  EXPECT_EQ(Run(Greedy(p, 6, "s")).tokens, Run(Greedy(full, 6)).tokens);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
+TEST_F(EngineTest, ForkSharesBlocksCopyOnWrite) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("", "p", 0, 0, {}).ok());
+  Run(Greedy(Prompt(37, 1), 4, "p"));  // 41 tokens: the last block is partial and will be shared
+  auto fork = engine_->ForkSession("", "p", "c");
+  ASSERT_TRUE(fork.ok());
+  EXPECT_EQ(fork->affinity_key, "p");
+  auto parent = engine_->GetSession("", "p", true);
+  const int64_t used_before = engine_->Stats().blocks_used;
+  const Result a = Run(Greedy(Prompt(5, 2), 6, "c"));
+  const Result b = Run(Greedy(Prompt(5, 3), 6, "p"));
+  std::vector<int> fa = parent->tokens, fb = parent->tokens;
+  auto pa = Prompt(5, 2), pb = Prompt(5, 3);
+  fa.insert(fa.end(), pa.begin(), pa.end());
+  fb.insert(fb.end(), pb.begin(), pb.end());
+  EXPECT_EQ(a.tokens, Run(Greedy(fa, 6)).tokens);
+  EXPECT_EQ(b.tokens, Run(Greedy(fb, 6)).tokens);
+  EXPECT_GT(engine_->Stats().blocks_used, used_before);  // the partial block was copied, not shared for writing
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+  ASSERT_TRUE(engine_->CloseSession("", "c").ok());
+  ASSERT_TRUE(engine_->CloseSession("", "p").ok());
+  engine_->RunOnEngineThread([] {});
+  EXPECT_EQ(engine_->Stats().blocks_used, 0);
+}
+
+TEST_F(EngineTest, NamespacesIsolateSessionsAndPrefixes) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("alice", "x", 0, 0, {}).ok());
+  EXPECT_EQ(engine_->GetSession("bob", "x", false).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(engine_->CreateSession("bob", "x", 0, 0, {}).ok());  // same name, another key
+  GenerateParams p = Greedy(Prompt(64, 9), 2);
+  p.ns = "alice";
+  Run(p);
+  p.ns = "bob";
+  EXPECT_EQ(Run(p).final.usage.cached_tokens, 0);  // alice's prefix is invisible to bob
+  p.ns = "alice";
+  EXPECT_GT(Run(p).final.usage.cached_tokens, 0);
+  EXPECT_EQ(engine_->ListSessions("alice").size(), 1u);
+}
+
+TEST_F(EngineTest, ErrorsNameTheField) {
+  Start(32);
+  EXPECT_EQ(engine_->Submit(Greedy({}, 4)).status().code(), StatusCode::kInvalidArgument);
+  auto bad = engine_->Submit(Greedy({1, cfg_.vocab + 5}, 4));
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("prompt[1]"), std::string::npos);
+  EXPECT_EQ(engine_->Submit(Greedy({1}, 4, "nope")).status().code(), StatusCode::kNotFound);
+  auto overflow = engine_->Submit(Greedy(Prompt(250, 1), 20));
+  EXPECT_EQ(overflow.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(overflow.status().message().find("context"), std::string::npos);
+  GenerateParams p = Greedy({1, 2}, 4);
+  p.sampling.top_p = 2;
+  EXPECT_NE(engine_->Submit(p).status().message().find("top_p"), std::string::npos);
+  EXPECT_EQ(engine_->CreateSession("", "bad id!", 0, 0, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->TruncateSession("", "none", 1).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(engine_->CreateSession("", "ok", 0, 0, {1, 2, 3}).ok());
+  EXPECT_EQ(engine_->CreateSession("", "ok", 0, 0, {}).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(engine_->TruncateSession("", "ok", 4).status().code(), StatusCode::kInvalidArgument);
+  GenerateParams lp = Greedy({1, 2}, 2);
+  lp.logprobs = 21;
+  EXPECT_NE(engine_->Submit(lp).status().message().find("logprobs"), std::string::npos);
+}
+
+TEST_F(EngineTest, RefusesWhatCannotFitInAnEmptyCache) {
+  Start(4);  // 4 blocks x 16 = 64 tokens
+  auto r = engine_->Submit(Greedy(Prompt(60, 1), 10));
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(engine_->Submit(Greedy(Prompt(40, 1), 10)).ok());
+}
+
+// Memory pressure: idle sessions lose their KV first, then running requests are preempted by
+// recompute; outputs stay exactly those of solo runs.
+TEST_F(EngineTest, PressureEvictsSessionsThenPreemptsWithoutChangingOutputs) {
+  Start(12, 64);  // 192 token slots
+  std::map<int, std::vector<int>> solo;
+  for (int k = 0; k < 6; ++k) solo[k] = Run(Greedy(Prompt(40, k), 20)).tokens;
+  ASSERT_TRUE(engine_->CreateSession("", "idle", 0, 0, {}).ok());
+  Run(Greedy(Prompt(60, 50), 4, "idle"));
+  std::vector<std::shared_ptr<RequestStream>> st;
+  for (int k = 0; k < 6; ++k) st.push_back(*engine_->Submit(Greedy(Prompt(40, k), 20)));
+  for (int k = 0; k < 6; ++k) EXPECT_EQ(Drain(st[k]).tokens, solo[k]) << k;
+  const EngineStats s = engine_->Stats();
+  EXPECT_GT(s.session_evictions_memory, 0u);
+  EXPECT_GT(s.preemptions, 0u);
+  auto info = engine_->GetSession("", "idle", false);
+  ASSERT_TRUE(info.ok());
+  EXPECT_TRUE(info->evicted);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
+// Thousands of random operations against a small cache: after each, block accounting matches every
+// owner; finished greedy requests produce the tokens of their solo run; at the end nothing leaks.
+TEST_F(EngineTest, RandomizedStress) {
+  Start(20, 48, 8);
+  std::mt19937 rng(42);
+  std::map<std::pair<int, int>, std::vector<int>> expected;  // (salt, len) -> solo tokens
+  auto prompt_of = [&](int salt, int len) { return Prompt(len, salt); };
+  struct Live {
+    std::shared_ptr<RequestStream> s;
+    int salt, len;
+    bool session;
+  };
+  std::vector<Live> live;
+  std::vector<std::string> sessions;
+  int finished_checked = 0, ops = 0;
+  for (int it = 0; it < 2000; ++it) {
+    const int op = rng() % 10;
+    ++ops;
+    if (op < 4) {  // submit a one-off request
+      const int salt = rng() % 4, len = 1 + rng() % 30;
+      auto r = engine_->Submit(Greedy(prompt_of(salt, len), 1 + rng() % 6));
+      if (r.ok()) live.push_back({*r, salt, len, false});
+    } else if (op == 4 && !live.empty()) {  // cancel one
+      live[rng() % live.size()].s->Cancel();
+    } else if (op == 5) {  // create a session
+      const std::string id = "s" + std::to_string(rng() % 6);
+      if (engine_->CreateSession("", id, 0, 0, {}).ok()) sessions.push_back(id);
+    } else if (op == 6 && !sessions.empty()) {  // a turn on a session
+      auto r = engine_->Submit(Greedy(prompt_of(rng() % 4, 1 + rng() % 10), 1 + rng() % 4, sessions[rng() % sessions.size()]));
+      if (r.ok()) live.push_back({*r, 0, 0, true});
+    } else if (op == 7 && !sessions.empty()) {  // fork
+      const std::string child = "s" + std::to_string(rng() % 6);
+      if (engine_->ForkSession("", sessions[rng() % sessions.size()], child).ok()) sessions.push_back(child);
+    } else if (op == 8 && !sessions.empty()) {  // truncate
+      const std::string id = sessions[rng() % sessions.size()];
+      auto info = engine_->GetSession("", id, false);
+      if (info.ok() && info->n_tokens > 0) (void)engine_->TruncateSession("", id, rng() % (info->n_tokens + 1));
+    } else if (op == 9 && !sessions.empty()) {  // close
+      const size_t i = rng() % sessions.size();
+      if (engine_->CloseSession("", sessions[i]).ok()) sessions.erase(sessions.begin() + i);
+    }
+    // Collect finished requests and check one-off greedy outputs against their solo run.
+    for (size_t i = 0; i < live.size();) {
+      if (!live[i].s->finished()) {
+        ++i;
+        continue;
+      }
+      Result r = Drain(live[i].s);
+      if (!live[i].session && r.final.finish == FinishReason::kLength) {
+        auto& exp = expected[{live[i].salt, live[i].len}];
+        const size_t n = r.tokens.size();
+        if (exp.size() < n) exp = r.tokens;  // first (longest) observation defines the reference
+        EXPECT_TRUE(std::equal(r.tokens.begin(), r.tokens.end(), exp.begin())) << "salt " << live[i].salt << " len " << live[i].len;
+        ++finished_checked;
+      }
+      live.erase(live.begin() + i);
+    }
+    const std::string c = engine_->CheckConsistency();
+    ASSERT_EQ(c, "") << "after op " << ops;
+  }
+  for (auto& l : live) Drain(l.s);
+  for (const auto& id : sessions) (void)engine_->CloseSession("", id);
+  engine_->RunOnEngineThread([] {});
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+  EXPECT_EQ(engine_->Stats().blocks_used, 0);
+  EXPECT_GT(finished_checked, 50);
+}
+
+}  // namespace
+}  // namespace qkv
