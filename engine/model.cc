@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 
 #include "engine/kernels/attention.h"
 #include "engine/kernels/bf16.h"
@@ -33,6 +34,17 @@ StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& na
     if (!std::isfinite(v)) return DataLoss("model: tensor '" + name + "' holds a non-finite value");
   }
   return out;
+}
+
+int64_t MemAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -69,9 +81,24 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   ks.head_dim = c.head_dim;
   ks.block_size = opt.block_size;
   ks.dtype = opt.kv_dtype;
-  ks.n_blocks = opt.kv_blocks > 0 ? opt.kv_blocks : (m->max_ctx_ + opt.block_size - 1) / opt.block_size;
+  const int64_t ctx_blocks = (m->max_ctx_ + opt.block_size - 1) / opt.block_size;
+  if (opt.kv_blocks > 0) {
+    ks.n_blocks = opt.kv_blocks;
+  } else if (opt.kv_cache_bytes > 0 || opt.kv_cache_bytes == ModelOptions::kAutoKvBytes) {
+    int64_t budget = opt.kv_cache_bytes;
+    if (budget == ModelOptions::kAutoKvBytes) {
+      const int64_t avail = MemAvailableBytes();
+      budget = std::min<int64_t>(std::max<int64_t>(avail - static_cast<int64_t>(m->weight_bytes_), 0) / 4, 8ll << 30);
+    }
+    ks.n_blocks = std::max(budget / ks.bytes_per_block(), ctx_blocks);
+  } else {
+    ks.n_blocks = ctx_blocks;
+  }
   QKV_ASSIGN_OR_RETURN(m->kv_, KvCache::Create(ks));
   m->pool_ = std::make_unique<KvBlockPool>(ks.n_blocks, opt.block_size);
+  spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks, ks.block_size,
+               ks.n_blocks * ks.block_size, static_cast<double>(m->kv_->arena_bytes()) / (1 << 20), ks.bytes_per_token(),
+               DTypeName(ks.dtype));
   m->rope_ = std::make_unique<RopeTable>(c.rotary_dim, c.rope_theta, m->max_ctx_);
 
   // Scratch for the largest batch.

@@ -31,7 +31,12 @@ struct ModelOptions {
   int max_batch_tokens = 512;  // tokens in one forward pass
   int max_context = 0;         // 0: the model's context length
   int block_size = 16;
-  int64_t kv_blocks = 0;       // 0: enough for one sequence of max_context
+  // KV arena size, in order of precedence: kv_blocks if > 0; else kv_cache_bytes if > 0; else, if
+  // kv_cache_bytes == kAutoKvBytes, a quarter of MemAvailable (after the weights) capped at 8 GiB; else
+  // (0) enough for one sequence of max_context. Never less than one full context.
+  int64_t kv_blocks = 0;
+  int64_t kv_cache_bytes = 0;
+  static constexpr int64_t kAutoKvBytes = -1;
 };
 
 // One sequence's share of a batch: its new tokens, placed at positions seq->n_tokens onwards.
