@@ -55,6 +55,7 @@ class Model {
   const ModelOptions& options() const { return opt_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   KvCache& kv() { return *kv_; }
+  const KvCache& kv() const { return *kv_; }
   KvBlockPool& blocks() { return *pool_; }
   int max_context() const { return max_ctx_; }
   // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.

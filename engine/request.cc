@@ -26,6 +26,19 @@ bool RequestStream::finished() const {
   return final_pushed_;
 }
 
+bool RequestStream::TryNext(StreamEvent* out) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (events_.empty()) return false;
+  *out = std::move(events_.front());
+  events_.pop_front();
+  return true;
+}
+
+void RequestStream::SetListener(std::function<void()> fn) {
+  std::lock_guard<std::mutex> l(listener_mu_);
+  listener_ = std::move(fn);
+}
+
 void RequestStream::Push(StreamEvent e) {
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -34,6 +47,8 @@ void RequestStream::Push(StreamEvent e) {
     events_.push_back(std::move(e));
   }
   cv_.notify_all();
+  std::lock_guard<std::mutex> l(listener_mu_);
+  if (listener_) listener_();
 }
 
 }  // namespace qkv

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <atomic>
 #include <string>
@@ -79,6 +80,12 @@ class RequestStream {
   bool cancelled() const { return cancelled_.load(); }
   bool finished() const;
 
+  // The next event if one is ready; never blocks.
+  bool TryNext(StreamEvent* out);
+  // Called (on the engine thread) after every Push, for consumers that must not block, such as gRPC
+  // reactors. nullptr detaches; once SetListener returns, no call to the old listener is running.
+  void SetListener(std::function<void()> fn);
+
   void Push(StreamEvent e);  // engine side
 
  private:
@@ -88,6 +95,8 @@ class RequestStream {
   std::condition_variable cv_;
   std::deque<StreamEvent> events_;
   bool final_pushed_ = false;
+  std::mutex listener_mu_;
+  std::function<void()> listener_;
 };
 
 }  // namespace qkv

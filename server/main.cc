@@ -1,0 +1,266 @@
+// qkvserve: the gRPC inference server. See `qkvserve --help` and docs/server.md.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <omp.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <regex>
+
+#include "server/metrics.h"
+#include "server/service.h"
+
+#ifndef QKV_SOURCE_DIR
+#define QKV_SOURCE_DIR ""
+#endif
+
+namespace {
+
+constexpr const char* kService = "qkvserve.v1.Inference";
+
+int Fail(const std::string& msg) {
+  spdlog::error("{}", msg);
+  std::fprintf(stderr, "qkvserve: %s\n", msg.c_str());
+  return 2;
+}
+
+qkv::StatusOr<int64_t> ParseSize(const std::string& s) {
+  static const std::regex re(R"(^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$)", std::regex::icase);
+  std::smatch m;
+  if (!std::regex_match(s, m, re)) return qkv::InvalidArgument("--kv-cache-bytes: cannot parse size '" + s + "' (e.g. 512MiB, 2GiB)");
+  double v = std::stod(m[1]);
+  std::string unit = m[2];
+  for (auto& c : unit) c = static_cast<char>(std::toupper(c));
+  const bool binary = unit.find('I') != std::string::npos;
+  const double base = binary ? 1024.0 : 1000.0;
+  if (!unit.empty() && unit != "B") {
+    const int power = std::string("KMGT").find(unit[0]) + 1;
+    for (int i = 0; i < power; ++i) v *= base;
+  }
+  return static_cast<int64_t>(v);
+}
+
+// Where the default model is looked for, in order: $QKVSERVE_MODEL, the install's share directory next to
+// the binary, the source tree's models/.
+std::string ResolveDefaultModel(const char* argv0, std::vector<std::string>* looked) {
+  if (const char* env = std::getenv("QKVSERVE_MODEL"); env && *env) return env;
+  std::error_code ec;
+  const auto exe = std::filesystem::canonical("/proc/self/exe", ec);
+  std::vector<std::filesystem::path> dirs;
+  if (!ec) dirs.push_back(exe.parent_path().parent_path() / "share" / "qkvserve" / "models");
+  if (*QKV_SOURCE_DIR) dirs.push_back(std::filesystem::path(QKV_SOURCE_DIR) / "models");
+  for (const auto& d : dirs) {
+    looked->push_back(d.string());
+    if (!std::filesystem::is_directory(d, ec)) continue;
+    std::vector<std::string> found;
+    for (const auto& f : std::filesystem::directory_iterator(d, ec)) {
+      if (f.path().extension() == ".gguf") found.push_back(f.path().string());
+    }
+    std::sort(found.begin(), found.end());
+    if (!found.empty()) return found.front();
+  }
+  return "";
+}
+
+std::string ReadFile(const std::string& path, bool* ok) {
+  std::ifstream in(path);
+  *ok = static_cast<bool>(in);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"qkvserve: LLM inference over gRPC on CPUs (sessions, paged KV cache, continuous batching)"};
+  app.set_config("--config", "", "read options from a TOML/INI config file (keys are the long flag names)");
+  std::string model, tokenizer_file, listen = "127.0.0.1:50051", metrics_listen = "127.0.0.1:9464", ready_file;
+  std::string weights_dtype = "bf16", kv_dtype = "bf16", kv_bytes_s, api_keys_file, tls_cert, tls_key;
+  std::string log_level = "info", chat_template_s, instance_id;
+  int threads = 0, block_size = 16, max_batched = 512, max_seqs = 64, max_model_len = 0, default_max_tokens = 256;
+  int max_waiting = 1024;
+  double drain_grace = 30;
+  bool no_prefix_caching = false;
+  app.add_option("--model", model, "GGUF model (default: $QKVSERVE_MODEL, then the bundled model)");
+  app.add_option("--tokenizer", tokenizer_file, "Hugging Face tokenizer.json to use instead of the GGUF's (not supported yet)");
+  app.add_option("--listen", listen, "gRPC address; port 0 picks a free port")->capture_default_str();
+  app.add_option("--metrics-listen", metrics_listen, "Prometheus /metrics address; port 0 picks a free port")->capture_default_str();
+  app.add_option("--ready-file", ready_file, "write {\"grpc\": ADDR, \"metrics\": ADDR, \"pid\": N} here once ready");
+  app.add_option("--threads", threads, "compute threads (default: the number of cores)");
+  app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-cache-bytes", kv_bytes_s, "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 GiB)");
+  app.add_option("--block-size", block_size, "tokens per KV block")->capture_default_str()->check(CLI::Range(1, 1024));
+  app.add_option("--max-num-batched-tokens", max_batched, "tokens per engine step")->capture_default_str()->check(CLI::Range(1, 65536));
+  app.add_option("--max-num-seqs", max_seqs, "sequences per engine step")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--max-model-len", max_model_len, "context limit (default: the model's)")->check(CLI::Range(0, 1 << 22));
+  app.add_option("--max-waiting", max_waiting, "queued requests before RESOURCE_EXHAUSTED")->capture_default_str();
+  app.add_option("--default-max-tokens", default_max_tokens, "max_tokens when a request gives none")->capture_default_str();
+  app.add_flag("--no-prefix-caching", no_prefix_caching, "do not reuse KV blocks across requests by content");
+  app.add_option("--api-keys", api_keys_file, "file with one API key per line; then every call needs 'authorization: Bearer <key>'");
+  app.add_option("--tls-cert", tls_cert, "PEM certificate chain (TLS)");
+  app.add_option("--tls-key", tls_key, "PEM private key (TLS)");
+  app.add_option("--chat-template", chat_template_s, "plain, chatml or llama3 (default: detected from the model)");
+  app.add_option("--instance-id", instance_id, "names this replica in GetModelInfo (default: hostname-pid)");
+  app.add_option("--drain-grace-seconds", drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")->capture_default_str();
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::from_str(log_level));
+
+  // SIGTERM/SIGINT are taken by sigwait in main; block them before any thread starts.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  if (!tokenizer_file.empty()) return Fail("--tokenizer: loading a tokenizer.json is not supported yet; the GGUF's tokenizer is used");
+  if (model.empty()) {
+    std::vector<std::string> looked;
+    model = ResolveDefaultModel(argv[0], &looked);
+    if (model.empty()) {
+      std::string where;
+      for (const auto& l : looked) where += " " + l;
+      return Fail("no --model given, $QKVSERVE_MODEL is unset and no bundled model was found in:" + where);
+    }
+  }
+  qkv::ModelOptions mo;
+  auto wd = qkv::ParseDType(weights_dtype);
+  if (!wd.ok()) return Fail("--weights-dtype: " + wd.status().message());
+  auto kd = qkv::ParseDType(kv_dtype);
+  if (!kd.ok()) return Fail("--kv-dtype: " + kd.status().message());
+  mo.weights_dtype = *wd;
+  mo.kv_dtype = *kd;
+  mo.n_threads = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  mo.max_batch_tokens = max_batched;
+  mo.max_context = max_model_len;
+  mo.block_size = block_size;
+  mo.kv_cache_bytes = qkv::ModelOptions::kAutoKvBytes;
+  if (!kv_bytes_s.empty()) {
+    auto b = ParseSize(kv_bytes_s);
+    if (!b.ok()) return Fail(b.status().message());
+    mo.kv_cache_bytes = *b;
+  }
+  omp_set_num_threads(mo.n_threads);
+  std::set<std::string> keys;
+  if (!api_keys_file.empty()) {
+    std::ifstream in(api_keys_file);
+    if (!in) return Fail("--api-keys: cannot read '" + api_keys_file + "'");
+    std::string line;
+    while (std::getline(in, line)) {
+      while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.pop_back();
+      if (!line.empty() && line[0] != '#') keys.insert(line);
+    }
+    if (keys.empty()) return Fail("--api-keys: '" + api_keys_file + "' holds no key");
+  }
+
+  spdlog::info("loading {}", model);
+  auto loaded = qkv::Model::Load(model, mo);
+  if (!loaded.ok()) return Fail(loaded.status().ToString());
+  qkv::Model& m = **loaded;
+  std::string jinja;
+  if (auto f = qkv::GgufFile::Open(model); f.ok()) jinja = (*f)->GetStringOr("tokenizer.chat_template", "");
+  qkv::ChatTemplateKind tmpl = qkv::DetectChatTemplate(jinja);
+  if (!chat_template_s.empty()) {
+    auto t = qkv::ParseChatTemplate(chat_template_s);
+    if (!t.ok()) return Fail("--chat-template: " + t.status().message());
+    tmpl = *t;
+  }
+  const auto& kvs = m.kv().shape();
+  spdlog::info("model {}: {}; weights {:.1f} MB; KV {} per token, capacity {} blocks = {} tokens = {:.1f} MiB = {} sessions of 4k tokens",
+               std::filesystem::path(model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
+               kvs.bytes_per_token(), kvs.n_blocks, kvs.n_blocks * kvs.block_size, m.kv().arena_bytes() / 1048576.0,
+               kvs.n_blocks * kvs.block_size / 4096);
+
+  qkv::EngineOptions eo;
+  eo.max_num_batched_tokens = max_batched;
+  eo.max_num_seqs = max_seqs;
+  eo.prefix_caching = !no_prefix_caching;
+  eo.default_max_tokens = default_max_tokens;
+  eo.max_waiting = max_waiting;
+  auto engine = qkv::Engine::Create(m, eo);
+  if (!engine.ok()) return Fail(engine.status().ToString());
+
+  if (instance_id.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    instance_id = std::string(host) + "-" + std::to_string(getpid());
+  }
+  qkv::server::ServiceOptions so;
+  so.api_keys = keys;
+  so.instance_id = instance_id;
+  so.chat_template = tmpl;
+  so.model_name = std::filesystem::path(model).stem().string();
+  qkv::server::InferenceService service(**engine, so);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!tls_cert.empty() || !tls_key.empty()) {
+    bool ok1 = false, ok2 = false;
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({ReadFile(tls_key, &ok1), ReadFile(tls_cert, &ok2)});
+    if (!ok1 || !ok2) return Fail("--tls-cert and --tls-key must both be readable files");
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  int port = 0;
+  builder.AddListeningPort(listen, creds, &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) return Fail("cannot listen on --listen " + listen);
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus("", true);
+  health->SetServingStatus(kService, false);
+
+  auto metrics = qkv::server::MetricsServer::Start(metrics_listen, **engine, so.model_name);
+  if (!metrics.ok()) return Fail(metrics.status().message());
+
+  // Warm-up: one tiny request through the whole path before readiness.
+  {
+    qkv::GenerateParams p;
+    p.ns = "\x01warmup";
+    p.prompt = {0};
+    p.max_tokens = 1;
+    auto st = (*engine)->Submit(p);
+    qkv::StreamEvent e;
+    while (st.ok() && (*st)->Next(&e, std::chrono::seconds(120)) && !e.final) {
+    }
+  }
+  health->SetServingStatus(kService, true);
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  const std::string grpc_addr = host + ":" + std::to_string(port);
+  const std::string metrics_addr = metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" + std::to_string((*metrics)->port());
+  spdlog::info("ready: gRPC on {}, metrics on http://{}/metrics, instance {}", grpc_addr, metrics_addr, instance_id);
+  if (!ready_file.empty()) {
+    const std::string tmp = ready_file + ".tmp";
+    std::ofstream(tmp) << nlohmann::json{{"grpc", grpc_addr}, {"metrics", metrics_addr}, {"pid", getpid()},
+                                         {"instance_id", instance_id}}.dump() << "\n";
+    std::filesystem::rename(tmp, ready_file);
+  }
+
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  spdlog::info("signal {}: draining (readiness NOT_SERVING, new requests refused, {} s grace)", sig, drain_grace);
+  service.StartDraining();
+  health->SetServingStatus(kService, false);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(drain_grace);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto s = (*engine)->Stats();
+    if (s.requests_running == 0 && s.requests_waiting == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  (*engine)->Shutdown();  // cancels whatever is still running
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Wait();
+  engine->reset();
+  spdlog::info("stopped");
+  return 0;
+}

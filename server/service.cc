@@ -1,0 +1,463 @@
+#include "server/service.h"
+
+#include <cmath>
+#include <mutex>
+
+#include "engine/utf8.h"
+
+namespace qkv::server {
+namespace pb = qkvserve::v1;
+
+grpc::Status ToGrpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
+}
+
+namespace {
+
+// Fills the fields common to GenerateResponse and CompleteResponse from one engine event.
+template <typename Resp>
+void AppendEvent(const StreamEvent& e, const std::vector<int>& prompt_tokens, Resp* r) {
+  for (int t : e.token_ids) r->add_token_ids(t);
+  r->mutable_text()->append(e.text);
+  for (const auto& lp : e.logprobs) {
+    auto* o = r->add_logprobs();
+    o->set_token_id(lp.token);
+    o->set_logprob(lp.logprob);
+    for (const auto& [t, v] : lp.top) {
+      auto* top = o->add_top();
+      top->set_token_id(t);
+      top->set_logprob(v);
+    }
+  }
+  if (!e.prompt_logprobs.empty()) {
+    for (size_t i = 0; i < e.prompt_logprobs.size() && i < prompt_tokens.size(); ++i) {
+      auto* p = r->add_prompt_logprobs();
+      p->set_token_id(prompt_tokens[i]);
+      if (!std::isnan(e.prompt_logprobs[i])) p->set_logprob(e.prompt_logprobs[i]);
+    }
+  }
+  if (e.final) {
+    r->set_finish_reason(FinishReasonName(e.finish));
+    r->set_stop_reason(e.stop_reason);
+    r->mutable_usage()->set_prompt_tokens(e.usage.prompt_tokens);
+    r->mutable_usage()->set_cached_tokens(e.usage.cached_tokens);
+    r->mutable_usage()->set_completion_tokens(e.usage.completion_tokens);
+    r->mutable_timings()->set_queue_seconds(e.timings.queue_s);
+    r->mutable_timings()->set_time_to_first_token_seconds(e.timings.ttft_s);
+    r->mutable_timings()->set_total_seconds(e.timings.total_s);
+  }
+}
+
+void FillSession(const SessionInfo& i, pb::Session* s) {
+  s->set_session_id(i.id);
+  s->set_affinity_key(i.affinity_key);
+  s->set_num_tokens(i.n_tokens);
+  s->set_cached_tokens(i.n_cached_tokens);
+  s->set_resident_bytes(i.resident_bytes);
+  s->set_resident_blocks(i.resident_blocks);
+  s->set_state(i.evicted ? "evicted" : "resident");
+  s->set_busy(i.busy);
+  s->set_ttl_seconds(i.ttl_s);
+  s->set_priority(i.priority);
+  s->set_created_unix(i.created_unix);
+  s->set_last_used_unix(i.last_used_unix);
+  for (int t : i.tokens) s->add_token_ids(t);
+}
+
+// One streaming Generate: engine events are pumped into gRPC writes, one write in flight at a time.
+// The engine thread wakes the pump through the stream's listener; gRPC wakes it on write completion.
+class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+ public:
+  GenerateReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req) {
+    auto ns = svc->Authenticate(ctx);
+    if (!ns.ok()) {
+      FinishNow(ToGrpc(ns.status()));
+      return;
+    }
+    auto params = svc->ToParams(*req, *ns);
+    if (!params.ok()) {
+      FinishNow(ToGrpc(params.status()));
+      return;
+    }
+    prompt_ = params->prompt;
+    auto st = svc->engine().Submit(std::move(*params));
+    if (!st.ok()) {
+      FinishNow(ToGrpc(st.status()));
+      return;
+    }
+    stream_ = *st;
+    stream_->SetListener([this] { Pump(); });
+    Pump();
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      writing_ = false;
+      if (!ok) {  // the client went away
+        if (stream_) stream_->Cancel();
+        if (!done_) {
+          done_ = true;
+          Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+        }
+        return;
+      }
+    }
+    Pump();
+  }
+
+  void OnCancel() override {  // client cancel, dropped stream or deadline
+    if (stream_) stream_->Cancel();
+    std::lock_guard<std::mutex> l(mu_);
+    if (!done_ && !writing_) {
+      done_ = true;
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+    }
+  }
+
+  void OnDone() override {
+    if (stream_) {
+      stream_->SetListener(nullptr);
+      stream_->Cancel();  // no-op if it already ended
+    }
+    delete this;
+  }
+
+ private:
+  void FinishNow(const grpc::Status& s) {
+    done_ = true;
+    Finish(s);
+  }
+
+  void Pump() {
+    std::lock_guard<std::mutex> l(mu_);
+    if (writing_ || done_) return;
+    StreamEvent e;
+    if (!stream_->TryNext(&e)) return;
+    resp_.Clear();
+    if (first_) {
+      resp_.set_request_id(stream_->request_id());
+      first_ = false;
+    }
+    if (e.final && e.finish == FinishReason::kError) {
+      done_ = true;
+      Finish(ToGrpc(e.error));
+      return;
+    }
+    AppendEvent(e, prompt_, &resp_);
+    writing_ = true;
+    if (e.final) {
+      done_ = true;
+      StartWriteAndFinish(&resp_, grpc::WriteOptions(), grpc::Status::OK);
+    } else {
+      StartWrite(&resp_);
+    }
+  }
+
+  std::mutex mu_;
+  std::shared_ptr<RequestStream> stream_;
+  std::vector<int> prompt_;
+  pb::GenerateResponse resp_;
+  bool first_ = true;
+  bool writing_ = false;
+  bool done_ = false;
+};
+
+// Unary Complete: collects the engine's events into one response.
+class CompleteReactor final : public grpc::ServerUnaryReactor {
+ public:
+  CompleteReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req,
+                  pb::CompleteResponse* resp)
+      : resp_(resp) {
+    auto ns = svc->Authenticate(ctx);
+    if (!ns.ok()) {
+      Finish(ToGrpc(ns.status()));
+      return;
+    }
+    auto params = svc->ToParams(*req, *ns);
+    if (!params.ok()) {
+      Finish(ToGrpc(params.status()));
+      return;
+    }
+    prompt_ = params->prompt;
+    auto st = svc->engine().Submit(std::move(*params));
+    if (!st.ok()) {
+      Finish(ToGrpc(st.status()));
+      return;
+    }
+    stream_ = *st;
+    resp_->set_request_id(stream_->request_id());
+    stream_->SetListener([this] { Drain(); });
+    Drain();
+  }
+  void OnCancel() override {
+    if (stream_) stream_->Cancel();
+  }
+  void OnDone() override {
+    if (stream_) {
+      stream_->SetListener(nullptr);
+      stream_->Cancel();
+    }
+    delete this;
+  }
+
+ private:
+  void Drain() {
+    std::lock_guard<std::mutex> l(mu_);
+    StreamEvent e;
+    while (!finished_ && stream_->TryNext(&e)) {
+      if (e.final && e.finish == FinishReason::kError) {
+        finished_ = true;
+        Finish(ToGrpc(e.error));
+        return;
+      }
+      AppendEvent(e, prompt_, resp_);
+      if (e.final) {
+        finished_ = true;
+        Finish(grpc::Status::OK);
+      }
+    }
+  }
+  std::mutex mu_;
+  pb::CompleteResponse* resp_;
+  std::shared_ptr<RequestStream> stream_;
+  std::vector<int> prompt_;
+  bool finished_ = false;
+};
+
+grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
+  auto* r = ctx->DefaultReactor();
+  r->Finish(s);
+  return r;
+}
+
+}  // namespace
+
+InferenceService::InferenceService(Engine& engine, ServiceOptions opt) : engine_(engine), opt_(std::move(opt)) {}
+
+std::string InferenceService::NewId(const char* prefix) {
+  return std::string(prefix) + "-" + opt_.instance_id + "-" + std::to_string(++counter_);
+}
+
+StatusOr<std::string> InferenceService::Authenticate(grpc::CallbackServerContext* ctx) const {
+  if (opt_.api_keys.empty()) return std::string();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return Status(StatusCode::kUnauthenticated, "missing 'authorization: Bearer <key>' metadata");
+  const std::string v(it->second.data(), it->second.size());
+  const std::string prefix = "Bearer ";
+  if (v.compare(0, prefix.size(), prefix) != 0) {
+    return Status(StatusCode::kUnauthenticated, "authorization must be 'Bearer <key>'");
+  }
+  const std::string key = v.substr(prefix.size());
+  if (!opt_.api_keys.count(key)) return Status(StatusCode::kUnauthenticated, "unknown API key");
+  return key;
+}
+
+StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& req, const std::string& ns) {
+  if (draining_) return Status(StatusCode::kUnavailable, "the server is draining; retry on another replica");
+  GenerateParams p;
+  p.ns = ns;
+  const Tokenizer& tok = engine_.model().tokenizer();
+  switch (req.input_case()) {
+    case pb::GenerateRequest::kText:
+      if (req.text().empty()) return InvalidArgument("text is empty");
+      if (!IsValidUtf8(req.text())) return InvalidArgument("text is not valid UTF-8");
+      if (!req.has_session_id() && tok.add_bos() && tok.bos_id() >= 0) p.prompt.push_back(tok.bos_id());
+      {
+        const auto ids = tok.Encode(req.text(), req.parse_special());
+        p.prompt.insert(p.prompt.end(), ids.begin(), ids.end());
+      }
+      break;
+    case pb::GenerateRequest::kTokenIds:
+      if (req.token_ids().ids().empty()) return InvalidArgument("token_ids is empty");
+      p.prompt.assign(req.token_ids().ids().begin(), req.token_ids().ids().end());
+      break;
+    case pb::GenerateRequest::kMessages: {
+      std::vector<ChatMessageIn> msgs;
+      for (int i = 0; i < req.messages().messages_size(); ++i) {
+        const auto& m = req.messages().messages(i);
+        if (!IsValidUtf8(m.content())) {
+          return InvalidArgument("messages[" + std::to_string(i) + "].content is not valid UTF-8");
+        }
+        msgs.push_back({m.role(), m.content()});
+      }
+      QKV_ASSIGN_OR_RETURN(p.prompt, ApplyChatTemplate(opt_.chat_template, tok, msgs, !req.has_session_id() && tok.add_bos()));
+      break;
+    }
+    default:
+      return InvalidArgument("one of text, token_ids or messages is required");
+  }
+  if (req.has_session_id()) {
+    if (req.session_id().empty()) return InvalidArgument("session_id is empty");
+    p.session_id = req.session_id();
+  }
+  p.request_id = req.has_request_id() ? req.request_id() : NewId("req");
+  if (req.has_request_id() && req.request_id().empty()) return InvalidArgument("request_id is empty");
+  p.priority = req.priority();
+  SamplingParams& s = p.sampling;
+  if (req.has_temperature()) s.temperature = req.temperature();
+  if (req.has_top_p()) s.top_p = req.top_p();
+  if (req.has_top_k()) s.top_k = req.top_k();
+  if (req.has_min_p()) s.min_p = req.min_p();
+  if (req.has_repetition_penalty()) s.repetition_penalty = req.repetition_penalty();
+  if (req.has_presence_penalty()) s.presence_penalty = req.presence_penalty();
+  if (req.has_frequency_penalty()) s.frequency_penalty = req.frequency_penalty();
+  if (req.has_seed()) s.seed = req.seed();
+  if (req.has_max_tokens()) {
+    if (req.max_tokens() < 1) return InvalidArgument("max_tokens must be at least 1");
+    p.max_tokens = req.max_tokens();
+  }
+  for (const auto& stop : req.stop()) {
+    if (stop.empty()) return InvalidArgument("stop strings must not be empty");
+    if (!IsValidUtf8(stop)) return InvalidArgument("stop strings must be valid UTF-8");
+    p.stop.push_back(stop);
+  }
+  p.stop_token_ids.assign(req.stop_token_ids().begin(), req.stop_token_ids().end());
+  p.ignore_eos = req.ignore_eos();
+  p.include_stop_str_in_output = req.include_stop_str_in_output();
+  if (req.has_logprobs()) {
+    p.want_logprobs = true;
+    p.logprobs = req.logprobs();
+  }
+  p.prompt_logprobs = req.prompt_logprobs();
+  return p;
+}
+
+grpc::ServerWriteReactor<pb::GenerateResponse>* InferenceService::Generate(grpc::CallbackServerContext* ctx,
+                                                                          const pb::GenerateRequest* req) {
+  return new GenerateReactor(this, ctx, req);
+}
+
+grpc::ServerUnaryReactor* InferenceService::Complete(grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req,
+                                                     pb::CompleteResponse* resp) {
+  return new CompleteReactor(this, ctx, req, resp);
+}
+
+grpc::ServerUnaryReactor* InferenceService::Cancel(grpc::CallbackServerContext* ctx, const pb::CancelRequest* req,
+                                                   pb::CancelResponse*) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (req->request_id().empty()) return Done(ctx, ToGrpc(InvalidArgument("request_id is empty")));
+  engine_.Cancel(*ns, req->request_id());
+  return Done(ctx, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* InferenceService::CreateSession(grpc::CallbackServerContext* ctx,
+                                                          const pb::CreateSessionRequest* req, pb::Session* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (draining_) return Done(ctx, ToGrpc(Status(StatusCode::kUnavailable, "the server is draining")));
+  const std::string id = req->has_session_id() ? req->session_id() : NewId("s");
+  auto r = engine_.CreateSession(*ns, id, req->ttl_seconds(), req->priority(),
+                                 std::vector<int>(req->initial_token_ids().begin(), req->initial_token_ids().end()));
+  if (r.ok()) FillSession(*r, resp);
+  return Done(ctx, ToGrpc(r.status()));
+}
+
+grpc::ServerUnaryReactor* InferenceService::GetSession(grpc::CallbackServerContext* ctx, const pb::GetSessionRequest* req,
+                                                       pb::Session* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  auto r = engine_.GetSession(*ns, req->session_id(), req->include_token_ids());
+  if (r.ok()) FillSession(*r, resp);
+  return Done(ctx, ToGrpc(r.status()));
+}
+
+grpc::ServerUnaryReactor* InferenceService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                         const pb::ListSessionsRequest*, pb::ListSessionsResponse* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  for (const SessionInfo& i : engine_.ListSessions(*ns)) FillSession(i, resp->add_sessions());
+  return Done(ctx, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* InferenceService::ForkSession(grpc::CallbackServerContext* ctx,
+                                                        const pb::ForkSessionRequest* req, pb::Session* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  const std::string child = req->has_child_session_id() ? req->child_session_id() : NewId("s");
+  auto r = engine_.ForkSession(*ns, req->session_id(), child);
+  if (r.ok()) FillSession(*r, resp);
+  return Done(ctx, ToGrpc(r.status()));
+}
+
+grpc::ServerUnaryReactor* InferenceService::TruncateSession(grpc::CallbackServerContext* ctx,
+                                                            const pb::TruncateSessionRequest* req, pb::Session* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  auto r = engine_.TruncateSession(*ns, req->session_id(), req->num_tokens());
+  if (r.ok()) FillSession(*r, resp);
+  return Done(ctx, ToGrpc(r.status()));
+}
+
+grpc::ServerUnaryReactor* InferenceService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                         const pb::CloseSessionRequest* req, pb::CloseSessionResponse*) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  return Done(ctx, ToGrpc(engine_.CloseSession(*ns, req->session_id())));
+}
+
+grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* ctx, const pb::TokenizeRequest* req,
+                                                     pb::TokenizeResponse* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (!IsValidUtf8(req->text())) return Done(ctx, ToGrpc(InvalidArgument("text is not valid UTF-8")));
+  const Tokenizer& tok = engine_.model().tokenizer();
+  if (req->add_special() && tok.add_bos() && tok.bos_id() >= 0) resp->add_token_ids(tok.bos_id());
+  for (int t : tok.Encode(req->text(), req->parse_special())) resp->add_token_ids(t);
+  return Done(ctx, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerContext* ctx,
+                                                       const pb::DetokenizeRequest* req, pb::DetokenizeResponse* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  const Tokenizer& tok = engine_.model().tokenizer();
+  std::vector<int> ids(req->token_ids().begin(), req->token_ids().end());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= tok.vocab_size()) {
+      return Done(ctx, ToGrpc(InvalidArgument("token_ids[" + std::to_string(i) + "] is outside the vocabulary")));
+    }
+  }
+  TextStream ts;  // invalid UTF-8 from arbitrary ids becomes U+FFFD: protobuf strings must be UTF-8
+  std::string text = ts.Push(tok.Decode(ids));
+  text += ts.Finish();
+  resp->set_text(text);
+  return Done(ctx, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerContext* ctx, const pb::GetModelInfoRequest*,
+                                                         pb::ModelInfo* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  const Model& m = engine_.model();
+  const ModelConfig& c = m.config();
+  resp->set_architecture(ArchName(c.arch));
+  resp->set_name(opt_.model_name);
+  resp->set_hidden_size(c.hidden);
+  resp->set_num_layers(c.n_layers);
+  resp->set_num_heads(c.n_heads);
+  resp->set_num_kv_heads(c.n_kv_heads);
+  resp->set_head_dim(c.head_dim);
+  resp->set_rotary_dim(c.rotary_dim);
+  resp->set_intermediate_size(c.ffn);
+  resp->set_vocab_size(c.vocab);
+  resp->set_attention(c.AttentionKind());
+  resp->set_kv_bytes_per_token(m.kv().shape().bytes_per_token());
+  resp->set_context_length(m.max_context());
+  const EngineStats s = engine_.Stats();
+  resp->set_kv_cache_tokens(s.tokens_capacity);
+  resp->set_kv_cache_bytes(m.kv().arena_bytes());
+  resp->set_block_size(s.block_size);
+  resp->set_weights_dtype(DTypeName(m.options().weights_dtype));
+  resp->set_kv_dtype(DTypeName(m.options().kv_dtype));
+  resp->set_instance_id(opt_.instance_id);
+  resp->set_eos_token_id(m.tokenizer().eos_id());
+  resp->set_bos_token_id(m.tokenizer().bos_id());
+  resp->set_chat_template(ChatTemplateName(opt_.chat_template));
+  return Done(ctx, grpc::Status::OK);
+}
+
+}  // namespace qkv::server
