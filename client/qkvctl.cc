@@ -1,0 +1,418 @@
+// qkvctl: the command-line client for qkvserve.
+// Address and key come from --addr / --api-key or $QKVSERVE_ADDR / $QKVSERVE_API_KEY. Human-readable output
+// by default, --json for scripts. Calls about a session send its affinity key as the x-session-id header
+// (a session id up to its first '.'; qkvctl names forks "<parent-root>.<suffix>"), so a load balancer
+// that hashes on the header keeps a session and its forks on one replica.
+#include <grpcpp/grpcpp.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "qkvserve/v1/inference.grpc.pb.h"
+
+namespace pb = qkvserve::v1;
+using nlohmann::json;
+
+namespace {
+
+struct Common {
+  std::string addr = "127.0.0.1:50051";
+  std::string api_key;
+  bool json_out = false;
+  bool tls = false;
+  double timeout_s = 0;
+};
+
+std::string Env(const char* name, const std::string& dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : dflt;
+}
+
+std::string RandomId(const char* prefix) {
+  std::random_device rd;
+  std::mt19937_64 rng((static_cast<uint64_t>(rd()) << 32) ^ rd());
+  static const char* hex = "0123456789abcdef";
+  std::string s = prefix;
+  for (int i = 0; i < 12; ++i) s += hex[rng() % 16];
+  return s;
+}
+
+std::string AffinityOf(const std::string& session_id) { return session_id.substr(0, session_id.find('.')); }
+
+std::shared_ptr<grpc::Channel> Connect(const Common& c) {
+  auto creds = c.tls ? grpc::SslCredentials(grpc::SslCredentialsOptions()) : grpc::InsecureChannelCredentials();
+  return grpc::CreateChannel(c.addr, creds);
+}
+
+void Prepare(const Common& c, grpc::ClientContext& ctx, const std::string& session = "") {
+  if (!c.api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + c.api_key);
+  if (!session.empty()) ctx.AddMetadata("x-session-id", AffinityOf(session));
+  if (c.timeout_s > 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000)));
+  }
+}
+
+int Report(const grpc::Status& s) {
+  if (s.ok()) return 0;
+  std::fprintf(stderr, "qkvctl: %s: %s\n", [&] {
+    switch (s.error_code()) {
+      case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+      case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+      case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+      case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+      case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+      case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+      case grpc::StatusCode::CANCELLED: return "CANCELLED";
+      case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+      case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+      default: return "ERROR";
+    }
+  }(), s.error_message().c_str());
+  return 1;
+}
+
+json SessionJson(const pb::Session& s) {
+  json j = {{"session_id", s.session_id()}, {"affinity_key", s.affinity_key()}, {"num_tokens", s.num_tokens()},
+            {"cached_tokens", s.cached_tokens()}, {"resident_bytes", s.resident_bytes()},
+            {"resident_blocks", s.resident_blocks()}, {"state", s.state()}, {"busy", s.busy()},
+            {"ttl_seconds", s.ttl_seconds()}, {"priority", s.priority()}};
+  if (s.token_ids_size()) j["token_ids"] = std::vector<int>(s.token_ids().begin(), s.token_ids().end());
+  return j;
+}
+
+void PrintSession(const Common& c, const pb::Session& s) {
+  if (c.json_out) {
+    std::cout << SessionJson(s).dump() << "\n";
+  } else {
+    std::printf("%-24s %-8s tokens %-6d cached %-6d resident %lld B (%lld blocks)%s affinity %s\n", s.session_id().c_str(),
+                s.state().c_str(), s.num_tokens(), s.cached_tokens(), static_cast<long long>(s.resident_bytes()),
+                static_cast<long long>(s.resident_blocks()), s.busy() ? " busy" : "", s.affinity_key().c_str());
+  }
+}
+
+struct GenOpts {
+  std::string prompt, tokens, session, request_id;
+  int max_tokens = 0;
+  double temperature = -1, top_p = -1, min_p = -1, rep = -1;
+  int top_k = -2;
+  int64_t seed = -1;
+  std::vector<std::string> stop;
+  bool ignore_eos = false, parse_special = false;
+};
+
+void FillSampling(const GenOpts& g, pb::GenerateRequest& r) {
+  if (g.max_tokens > 0) r.set_max_tokens(g.max_tokens);
+  if (g.temperature >= 0) r.set_temperature(static_cast<float>(g.temperature));
+  if (g.top_p >= 0) r.set_top_p(static_cast<float>(g.top_p));
+  if (g.min_p >= 0) r.set_min_p(static_cast<float>(g.min_p));
+  if (g.rep >= 0) r.set_repetition_penalty(static_cast<float>(g.rep));
+  if (g.top_k >= -1) r.set_top_k(g.top_k);
+  if (g.seed >= 0) r.set_seed(static_cast<uint64_t>(g.seed));
+  for (const auto& s : g.stop) r.add_stop(s);
+  r.set_ignore_eos(g.ignore_eos);
+  r.set_parse_special(g.parse_special);
+  if (!g.session.empty()) r.set_session_id(g.session);
+  if (!g.request_id.empty()) r.set_request_id(g.request_id);
+}
+
+// Streams one request; prints text as it arrives (or one JSON object at the end). Returns the exit code.
+int Stream(const Common& c, pb::Inference::Stub& stub, const pb::GenerateRequest& req, std::string* reply = nullptr) {
+  grpc::ClientContext ctx;
+  Prepare(c, ctx, req.session_id());
+  auto reader = stub.Generate(&ctx, req);
+  pb::GenerateResponse r;
+  std::string text, request_id, finish, stop_reason;
+  std::vector<int> ids;
+  pb::Usage usage;
+  while (reader->Read(&r)) {
+    if (!r.request_id().empty()) request_id = r.request_id();
+    text += r.text();
+    ids.insert(ids.end(), r.token_ids().begin(), r.token_ids().end());
+    if (!c.json_out) {
+      std::cout << r.text() << std::flush;
+    }
+    if (!r.finish_reason().empty()) {
+      finish = r.finish_reason();
+      stop_reason = r.stop_reason();
+      usage = r.usage();
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  if (reply) *reply = text;
+  if (!s.ok()) {
+    if (!c.json_out) std::cout << "\n";
+    return Report(s);
+  }
+  if (c.json_out) {
+    std::cout << json{{"request_id", request_id}, {"text", text}, {"token_ids", ids}, {"finish_reason", finish},
+                      {"stop_reason", stop_reason},
+                      {"usage", {{"prompt_tokens", usage.prompt_tokens()}, {"cached_tokens", usage.cached_tokens()},
+                                 {"completion_tokens", usage.completion_tokens()}}}}
+                     .dump(-1, ' ', false, json::error_handler_t::replace)
+              << "\n";
+  } else if (!reply) {
+    std::cout << "\n";
+    std::fprintf(stderr, "[%s%s%s; prompt %d tokens (%d cached), %d generated]\n", finish.c_str(),
+                 stop_reason.empty() ? "" : ": ", stop_reason.c_str(), usage.prompt_tokens(), usage.cached_tokens(),
+                 usage.completion_tokens());
+  }
+  return 0;
+}
+
+void AddGenOptions(CLI::App* app, GenOpts& g) {
+  app->add_option("--max-tokens,-n", g.max_tokens, "tokens to generate (default: the server's)");
+  app->add_option("--temperature", g.temperature, "sampling temperature (0 = greedy; default 1.0)");
+  app->add_option("--top-p", g.top_p, "top-p");
+  app->add_option("--top-k", g.top_k, "top-k");
+  app->add_option("--min-p", g.min_p, "min-p");
+  app->add_option("--repetition-penalty", g.rep, "repetition penalty");
+  app->add_option("--seed", g.seed, "sampling seed");
+  app->add_option("--stop", g.stop, "stop string (repeatable)");
+  app->add_flag("--ignore-eos", g.ignore_eos, "keep generating after EOS");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"qkvctl: command-line client for qkvserve"};
+  app.require_subcommand(1);
+  Common c;
+  c.addr = Env("QKVSERVE_ADDR", c.addr);
+  c.api_key = Env("QKVSERVE_API_KEY", "");
+  app.add_option("--addr", c.addr, "server address (env QKVSERVE_ADDR)")->capture_default_str();
+  app.add_option("--api-key", c.api_key, "API key (env QKVSERVE_API_KEY)");
+  app.add_flag("--json", c.json_out, "machine-readable output");
+  app.add_flag("--tls", c.tls, "connect with TLS (system roots)");
+  app.add_option("--timeout", c.timeout_s, "deadline per call in seconds (0 = none)");
+
+  GenOpts g;
+  auto* gen = app.add_subcommand("generate", "generate from a prompt, streaming the text as it arrives");
+  gen->add_option("--prompt,-p", g.prompt, "prompt text");
+  gen->add_option("--tokens", g.tokens, "prompt as comma-separated token ids");
+  gen->add_option("--session", g.session, "append to this session");
+  gen->add_option("--request-id", g.request_id, "request id (for cancel)");
+  gen->add_flag("--parse-special", g.parse_special, "treat special-token text in the prompt as special tokens");
+  AddGenOptions(gen, g);
+
+  GenOpts chat_g;
+  std::string system_prompt;
+  auto* chat = app.add_subcommand("chat", "interactive multi-turn chat on a session (one line per turn; Ctrl-D ends)");
+  chat->add_option("--session", chat_g.session, "continue this session (default: a new one, closed at the end)");
+  chat->add_option("--system", system_prompt, "system message for the first turn");
+  AddGenOptions(chat, chat_g);
+
+  auto* sess = app.add_subcommand("session", "manage sessions");
+  sess->require_subcommand(1);
+  std::string sid, child;
+  double ttl = 0;
+  int priority = 0, ntok = 0;
+  bool with_tokens = false;
+  auto* s_create = sess->add_subcommand("create", "create a session");
+  s_create->add_option("--id", sid, "session id (default: generated)");
+  s_create->add_option("--ttl", ttl, "idle seconds before it is closed (0 = never)");
+  s_create->add_option("--priority", priority, "priority");
+  auto* s_list = sess->add_subcommand("list", "list your sessions");
+  auto* s_show = sess->add_subcommand("show", "show one session");
+  s_show->add_option("id", sid)->required();
+  s_show->add_flag("--tokens", with_tokens, "include the token ids");
+  auto* s_fork = sess->add_subcommand("fork", "fork a session (shares its KV copy-on-write)");
+  s_fork->add_option("id", sid)->required();
+  s_fork->add_option("--child", child, "child id (default: <parent-root>.<random>)");
+  auto* s_trunc = sess->add_subcommand("truncate", "truncate a session to N tokens");
+  s_trunc->add_option("id", sid)->required();
+  s_trunc->add_option("n", ntok)->required();
+  auto* s_close = sess->add_subcommand("close", "close a session and free its KV");
+  s_close->add_option("id", sid)->required();
+
+  std::string text;
+  bool parse_special = false;
+  auto* tok = app.add_subcommand("tokenize", "print the token ids of a text");
+  tok->add_option("text", text)->required();
+  tok->add_flag("--parse-special", parse_special, "treat special-token text as special tokens");
+  auto* info = app.add_subcommand("info", "model and server information");
+  std::string cancel_id;
+  auto* cancel = app.add_subcommand("cancel", "cancel a request by id");
+  cancel->add_option("request_id", cancel_id)->required();
+  std::string health_service;
+  auto* health = app.add_subcommand("health", "check health (exit 0 when SERVING): --service qkvserve.v1.Inference for readiness");
+  health->add_option("--service", health_service, "service name (\"\" = liveness)");
+
+  CLI11_PARSE(app, argc, argv);
+  auto channel = Connect(c);
+  auto stub = pb::Inference::NewStub(channel);
+
+  if (gen->parsed()) {
+    pb::GenerateRequest req;
+    if (!g.tokens.empty()) {
+      std::stringstream ss(g.tokens);
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        try {
+          req.mutable_token_ids()->add_ids(std::stoi(item));
+        } catch (...) {
+          std::fprintf(stderr, "qkvctl: --tokens: '%s' is not a token id\n", item.c_str());
+          return 2;
+        }
+      }
+    } else {
+      req.set_text(g.prompt);
+    }
+    FillSampling(g, req);
+    return Stream(c, *stub, req);
+  }
+  if (chat->parsed()) {
+    bool own = chat_g.session.empty();
+    if (own) {
+      chat_g.session = RandomId("chat-");
+      grpc::ClientContext ctx;
+      Prepare(c, ctx, chat_g.session);
+      pb::CreateSessionRequest r;
+      r.set_session_id(chat_g.session);
+      pb::Session out;
+      if (int rc = Report(stub->CreateSession(&ctx, r, &out))) return rc;
+    }
+    std::fprintf(stderr, "session %s; type a message, Ctrl-D to end\n", chat_g.session.c_str());
+    std::string line;
+    bool first = true;
+    while (std::fprintf(stderr, "> "), std::getline(std::cin, line)) {
+      if (line.empty()) continue;
+      pb::GenerateRequest req;
+      if (first && !system_prompt.empty()) {
+        auto* m = req.mutable_messages()->add_messages();
+        m->set_role("system");
+        m->set_content(system_prompt);
+      }
+      auto* m = req.mutable_messages()->add_messages();
+      m->set_role("user");
+      m->set_content(line);
+      FillSampling(chat_g, req);
+      if (int rc = Stream(c, *stub, req); rc != 0) return rc;
+      first = false;
+    }
+    if (own) {
+      grpc::ClientContext ctx;
+      Prepare(c, ctx, chat_g.session);
+      pb::CloseSessionRequest r;
+      r.set_session_id(chat_g.session);
+      pb::CloseSessionResponse out;
+      stub->CloseSession(&ctx, r, &out);
+    }
+    return 0;
+  }
+  if (sess->parsed()) {
+    grpc::ClientContext ctx;
+    pb::Session out;
+    if (s_create->parsed()) {
+      if (sid.empty()) sid = RandomId("s-");
+      Prepare(c, ctx, sid);
+      pb::CreateSessionRequest r;
+      r.set_session_id(sid);
+      r.set_ttl_seconds(ttl);
+      r.set_priority(priority);
+      if (int rc = Report(stub->CreateSession(&ctx, r, &out))) return rc;
+      PrintSession(c, out);
+    } else if (s_list->parsed()) {
+      Prepare(c, ctx);
+      pb::ListSessionsResponse resp;
+      if (int rc = Report(stub->ListSessions(&ctx, pb::ListSessionsRequest(), &resp))) return rc;
+      if (c.json_out) {
+        json arr = json::array();
+        for (const auto& s : resp.sessions()) arr.push_back(SessionJson(s));
+        std::cout << arr.dump() << "\n";
+      } else {
+        for (const auto& s : resp.sessions()) PrintSession(c, s);
+      }
+    } else if (s_show->parsed()) {
+      Prepare(c, ctx, sid);
+      pb::GetSessionRequest r;
+      r.set_session_id(sid);
+      r.set_include_token_ids(with_tokens);
+      if (int rc = Report(stub->GetSession(&ctx, r, &out))) return rc;
+      PrintSession(c, out);
+      if (with_tokens && !c.json_out) {
+        for (int t : out.token_ids()) std::printf("%d ", t);
+        std::printf("\n");
+      }
+    } else if (s_fork->parsed()) {
+      Prepare(c, ctx, sid);
+      pb::ForkSessionRequest r;
+      r.set_session_id(sid);
+      r.set_child_session_id(child.empty() ? AffinityOf(sid) + "." + RandomId("") : child);
+      if (int rc = Report(stub->ForkSession(&ctx, r, &out))) return rc;
+      PrintSession(c, out);
+    } else if (s_trunc->parsed()) {
+      Prepare(c, ctx, sid);
+      pb::TruncateSessionRequest r;
+      r.set_session_id(sid);
+      r.set_num_tokens(ntok);
+      if (int rc = Report(stub->TruncateSession(&ctx, r, &out))) return rc;
+      PrintSession(c, out);
+    } else if (s_close->parsed()) {
+      Prepare(c, ctx, sid);
+      pb::CloseSessionRequest r;
+      r.set_session_id(sid);
+      pb::CloseSessionResponse resp;
+      if (int rc = Report(stub->CloseSession(&ctx, r, &resp))) return rc;
+      if (c.json_out) std::cout << json{{"closed", sid}}.dump() << "\n";
+      else std::printf("closed %s\n", sid.c_str());
+    }
+    return 0;
+  }
+  if (tok->parsed()) {
+    grpc::ClientContext ctx;
+    Prepare(c, ctx);
+    pb::TokenizeRequest r;
+    r.set_text(text);
+    r.set_parse_special(parse_special);
+    pb::TokenizeResponse resp;
+    if (int rc = Report(stub->Tokenize(&ctx, r, &resp))) return rc;
+    std::cout << json(std::vector<int>(resp.token_ids().begin(), resp.token_ids().end())).dump() << "\n";
+    return 0;
+  }
+  if (info->parsed()) {
+    grpc::ClientContext ctx;
+    Prepare(c, ctx);
+    pb::ModelInfo m;
+    if (int rc = Report(stub->GetModelInfo(&ctx, pb::GetModelInfoRequest(), &m))) return rc;
+    json j = {{"architecture", m.architecture()}, {"name", m.name()}, {"hidden_size", m.hidden_size()},
+              {"num_layers", m.num_layers()}, {"num_heads", m.num_heads()}, {"num_kv_heads", m.num_kv_heads()},
+              {"head_dim", m.head_dim()}, {"attention", m.attention()}, {"vocab_size", m.vocab_size()},
+              {"kv_bytes_per_token", m.kv_bytes_per_token()}, {"context_length", m.context_length()},
+              {"kv_cache_tokens", m.kv_cache_tokens()}, {"kv_cache_bytes", m.kv_cache_bytes()},
+              {"block_size", m.block_size()}, {"weights_dtype", m.weights_dtype()}, {"kv_dtype", m.kv_dtype()},
+              {"instance_id", m.instance_id()}, {"chat_template", m.chat_template()}};
+    if (c.json_out) {
+      std::cout << j.dump() << "\n";
+    } else {
+      for (auto it = j.begin(); it != j.end(); ++it) std::cout << it.key() << ": " << it.value().dump() << "\n";
+    }
+    return 0;
+  }
+  if (cancel->parsed()) {
+    grpc::ClientContext ctx;
+    Prepare(c, ctx);
+    pb::CancelRequest r;
+    r.set_request_id(cancel_id);
+    pb::CancelResponse resp;
+    return Report(stub->Cancel(&ctx, r, &resp));
+  }
+  if (health->parsed()) {
+    auto hs = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext ctx;
+    Prepare(c, ctx);
+    if (c.timeout_s <= 0) ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest r;
+    r.set_service(health_service);
+    grpc::health::v1::HealthCheckResponse resp;
+    if (int rc = Report(hs->Check(&ctx, r, &resp))) return rc;
+    const char* name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str();
+    if (c.json_out) std::cout << json{{"service", health_service}, {"status", name}}.dump() << "\n";
+    else std::printf("%s\n", name);
+    return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,116 @@
+"""Shared helpers for the integration tests: a real qkvserve process on 127.0.0.1 and Python gRPC stubs
+generated at test time with protoc and grpc_python_plugin (Debian's grpc-tools embed an old protoc)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ.get("QKV_BIN", os.path.join(ROOT, "build", "bin"))
+_STUBS = tempfile.mkdtemp(prefix="qkvstubs")
+# The health proto is copied under another path: a generated "grpc.health" module would shadow grpcio.
+os.makedirs(os.path.join(_STUBS, "src", "qkv_health"))
+with open(os.path.join(ROOT, "proto", "grpc", "health", "v1", "health.proto")) as f_in, \
+        open(os.path.join(_STUBS, "src", "qkv_health", "health.proto"), "w") as f_out:
+    f_out.write(f_in.read())
+subprocess.run(["protoc", "-I", os.path.join(ROOT, "proto"), "-I", os.path.join(_STUBS, "src"),
+                "--python_out=" + _STUBS, "--grpc_python_out=" + _STUBS,
+                "--plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin",
+                os.path.join(ROOT, "proto", "qkvserve", "v1", "inference.proto"),
+                os.path.join(_STUBS, "src", "qkv_health", "health.proto")], check=True)
+sys.path.insert(0, _STUBS)
+from qkvserve.v1 import inference_pb2 as pb  # noqa: E402
+from qkvserve.v1 import inference_pb2_grpc as rpc  # noqa: E402
+from qkv_health import health_pb2, health_pb2_grpc  # noqa: E402
+
+TMP = tempfile.mkdtemp(prefix="qkvint")
+
+
+def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3):
+    path = os.path.join(TMP, name + ".gguf")
+    if not os.path.exists(path):
+        cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 128, "vocab_size": vocab, "max_position_embeddings": ctx}
+        cpath = os.path.join(TMP, name + ".json")
+        with open(cpath, "w") as f:
+            json.dump(cfg, f)
+        subprocess.run([os.path.join(BIN, "qkv-model"), "random", "--config", cpath, "--out", path, "--arch", arch,
+                        "--seed", str(seed)], check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+class Server:
+    """A qkvserve process on 127.0.0.1 with free ports, ready when its ready file appears."""
+
+    def __init__(self, *args, model=None):
+        self.ready_path = tempfile.mktemp(prefix="ready", dir=TMP)
+        self.log_path = self.ready_path + ".log"
+        cmd = [os.path.join(BIN, "qkvserve"), "--model", model or make_model(), "--listen", "127.0.0.1:0",
+               "--metrics-listen", "127.0.0.1:0", "--ready-file", self.ready_path, "--threads", "1",
+               "--kv-cache-bytes", "8MiB", *args]
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 60
+        while not os.path.exists(self.ready_path):
+            if self.proc.poll() is not None:
+                with open(self.log_path) as f:
+                    raise RuntimeError("qkvserve exited: " + f.read())
+            if time.time() > deadline:
+                raise RuntimeError("qkvserve not ready in 60 s")
+            time.sleep(0.05)
+        with open(self.ready_path) as f:
+            info = json.load(f)
+        self.addr, self.metrics_addr = info["grpc"], info["metrics"]
+        self.channel = grpc.insecure_channel(self.addr)
+        self.stub = rpc.InferenceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def metrics(self):
+        text = urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=10).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def used_blocks(self):
+        return self.metrics()['qkvserve_kv_cache_blocks{state="used"}']
+
+    def wait_used_blocks(self, n, timeout=10):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.used_blocks() == n:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self, sig=signal.SIGTERM, timeout=60):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.channel.close()
+        self.log.close()
+        return self.proc.returncode
+
+
+def greedy(**kw):
+    kw.setdefault("temperature", 0.0)
+    return pb.GenerateRequest(**kw)
+
+
+def collect(stream):
+    """(responses, text, token ids) of a Generate stream."""
+    rs = list(stream)
+    return rs, "".join(r.text for r in rs), [t for r in rs for t in r.token_ids]

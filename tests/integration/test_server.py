@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""End-to-end tests of qkvserve over real gRPC channels on 127.0.0.1, with a real /metrics scrape and real
+processes. The Python client here is also the "foreign client" check (Debian's python3-grpcio)."""
+import concurrent.futures
+import os
+import signal
+import socket
+import threading
+import time
+import unittest
+
+import grpc
+
+from harness import BIN, TMP, Server, collect, greedy, health_pb2, make_model, pb
+
+INFER = "qkvserve.v1.Inference"
+
+
+class ServerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.s = Server()
+        cls.stub = cls.s.stub
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.s.stop()
+
+    def code(self, fn, *a, **kw):
+        with self.assertRaises(grpc.RpcError) as cm:
+            fn(*a, **kw)
+        return cm.exception.code(), cm.exception.details()
+
+    def test_streaming_generate(self):
+        rs, text, ids = collect(self.stub.Generate(greedy(text="Hello world", max_tokens=12)))
+        self.assertGreater(len(rs), 2)
+        self.assertTrue(rs[0].request_id)
+        self.assertEqual(rs[-1].finish_reason, "length")
+        self.assertEqual(rs[-1].usage.completion_tokens, 12)
+        self.assertEqual(len(ids), 12)
+        unary = self.stub.Complete(greedy(text="Hello world", max_tokens=12))
+        self.assertEqual(list(unary.token_ids), ids)
+        self.assertEqual(unary.text, text)
+
+    def test_concurrent_clients_match_solo(self):
+        prompts = [f"client {i} says " + "abc " * (i % 5) for i in range(20)]
+        solo = [list(self.stub.Complete(greedy(text=p, max_tokens=16)).token_ids) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(20) as ex:
+            together = list(ex.map(lambda p: collect(self.stub.Generate(greedy(text=p, max_tokens=16)))[2], prompts))
+        self.assertEqual(together, solo)
+
+    def test_session_turns_reuse_cache(self):
+        sid = "conv-1"
+        self.stub.CreateSession(pb.CreateSessionRequest(session_id=sid))
+        history = []
+        for turn in range(3):
+            r = self.stub.Complete(greedy(text=f" turn {turn} text", session_id=sid, max_tokens=8))
+            if turn > 0:
+                self.assertGreater(r.usage.cached_tokens, 0)
+            tokens = list(self.stub.Tokenize(pb.TokenizeRequest(text=f" turn {turn} text")).token_ids)
+            history += tokens
+            self.assertEqual(r.usage.prompt_tokens, len(history))
+            history += list(r.token_ids)
+        info = self.stub.GetSession(pb.GetSessionRequest(session_id=sid, include_token_ids=True))
+        self.assertEqual(list(info.token_ids), history)
+        self.assertEqual(info.affinity_key, sid)
+        fork = self.stub.ForkSession(pb.ForkSessionRequest(session_id=sid, child_session_id=sid + ".f"))
+        self.assertEqual(fork.affinity_key, sid)
+        self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid + ".f"))
+        self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        self.assertEqual(self.code(self.stub.GetSession, pb.GetSessionRequest(session_id=sid))[0], grpc.StatusCode.NOT_FOUND)
+
+    def test_stop_strings_excluded_and_never_leaked(self):
+        base = self.stub.Complete(greedy(text="stop test", max_tokens=40, ignore_eos=True)).text
+        clean = base.replace("\ufffd", "")
+        stop = clean[len(clean) // 2: len(clean) // 2 + 3]
+        self.assertEqual(len(stop), 3)
+        rs, text, _ = collect(self.stub.Generate(greedy(text="stop test", max_tokens=40, ignore_eos=True, stop=[stop])))
+        self.assertEqual(rs[-1].finish_reason, "stop")
+        self.assertEqual(rs[-1].stop_reason, stop)
+        self.assertNotIn(stop, text)
+        self.assertTrue(base.startswith(text))
+        for r in rs:
+            self.assertNotIn(stop, r.text)
+        rs2 = self.stub.Complete(greedy(text="stop test", max_tokens=40, ignore_eos=True, stop=[stop],
+                                        include_stop_str_in_output=True))
+        self.assertTrue(rs2.text.endswith(stop))
+
+    def test_invalid_utf8_tokens_still_stream_valid_text(self):
+        # Random weights over byte-level tokens produce invalid UTF-8; every delta must still be valid
+        # (protobuf would refuse to parse it otherwise) and bad bytes become U+FFFD.
+        replaced = 0
+        for seed in range(6):
+            rs, text, ids = collect(self.stub.Generate(pb.GenerateRequest(text="bytes", max_tokens=60, seed=seed,
+                                                                         temperature=1.5, ignore_eos=True)))
+            self.assertEqual(len(ids), 60)
+            replaced += text.count("\ufffd")
+        self.assertGreater(replaced, 0)
+
+    def test_cancel_drop_and_deadline_free_blocks(self):
+        self.assertTrue(self.s.wait_used_blocks(0))
+        # Explicit cancel mid-stream (idempotent; unknown ids are a no-op).
+        stream = self.stub.Generate(pb.GenerateRequest(text="long", max_tokens=200, request_id="to-cancel", ignore_eos=True))
+        first = next(stream)
+        self.assertEqual(first.request_id, "to-cancel")
+        self.stub.Cancel(pb.CancelRequest(request_id="to-cancel"))
+        self.stub.Cancel(pb.CancelRequest(request_id="to-cancel"))
+        self.stub.Cancel(pb.CancelRequest(request_id="never-existed"))
+        rest = list(stream)
+        self.assertEqual(rest[-1].finish_reason, "cancelled")
+        self.assertTrue(self.s.wait_used_blocks(0))
+        # Dropping the stream.
+        stream = self.stub.Generate(pb.GenerateRequest(text="long", max_tokens=200, ignore_eos=True))
+        next(stream)
+        stream.cancel()
+        self.assertTrue(self.s.wait_used_blocks(0))
+        # Passing the deadline.
+        code, _ = self.code(lambda: list(self.stub.Generate(pb.GenerateRequest(text="long", max_tokens=250, ignore_eos=True),
+                                                            timeout=0.02)))
+        self.assertEqual(code, grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertTrue(self.s.wait_used_blocks(0))
+        m = self.s.metrics()
+        self.assertGreaterEqual(m['qkvserve_requests_finished_total{reason="cancelled"}'], 2)
+
+    def test_invalid_inputs(self):
+        C = self.code
+        st = self.stub
+        cases = [
+            (st.Complete, greedy(text=""), grpc.StatusCode.INVALID_ARGUMENT, "text"),
+            (st.Complete, pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "text, token_ids or messages"),
+            (st.Complete, greedy(token_ids=pb.TokenIds(ids=[1, 100000])), grpc.StatusCode.INVALID_ARGUMENT, "prompt[1]"),
+            (st.Complete, greedy(token_ids=pb.TokenIds(ids=[-1])), grpc.StatusCode.INVALID_ARGUMENT, "prompt[0]"),
+            (st.Complete, greedy(text="x", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+            (st.Complete, greedy(text="x", max_tokens=100000), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+            (st.Complete, greedy(text="x", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+            (st.Complete, greedy(text="x", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+            (st.Complete, greedy(text="x", logprobs=50), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+            (st.Complete, greedy(text="x", session_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+            (st.Complete, greedy(text="x", request_id="bad id!"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+            (st.CreateSession, pb.CreateSessionRequest(session_id="bad/id"), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+            (st.CreateSession, pb.CreateSessionRequest(session_id="x" * 129), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+            (st.TruncateSession, pb.TruncateSessionRequest(session_id="nope", num_tokens=1), grpc.StatusCode.NOT_FOUND, "nope"),
+            (st.Detokenize, pb.DetokenizeRequest(token_ids=[5, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids[1]"),
+            (st.Complete, pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="robot", content="hi")])),
+             grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role"),
+        ]
+        for fn, req, want, field in cases:
+            code, details = C(fn, req)
+            self.assertEqual(code, want, details)
+            self.assertIn(field, details)
+        # Invalid UTF-8 cannot be built with the Python API: send raw bytes (field 1 = text). proto3 string
+        # fields are checked by protobuf's parser before our handler runs, so gRPC refuses the message
+        # itself (it reports UNIMPLEMENTED for an unparsable request); the server keeps serving.
+        raw = self.s.channel.unary_unary("/qkvserve.v1.Inference/Complete", request_serializer=None,
+                                         response_deserializer=None)
+        code, details = C(raw, b"\x0a\x03a\xff\xfe")
+        self.assertNotEqual(code, grpc.StatusCode.OK)
+        self.assertTrue(st.Complete(greedy(text="after bad bytes", max_tokens=2)).token_ids)
+        # A busy session.
+        st.CreateSession(pb.CreateSessionRequest(session_id="busy"))
+        stream = st.Generate(pb.GenerateRequest(text="go", session_id="busy", max_tokens=200, ignore_eos=True))
+        next(stream)
+        code, details = C(st.Complete, greedy(text="again", session_id="busy"))
+        self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("busy", details)
+        stream.cancel()
+        self.assertTrue(self.s.wait_used_blocks(self.s.used_blocks()))  # the server is still healthy
+        self.assertTrue(st.Complete(greedy(text="still fine", max_tokens=3)).token_ids)
+
+    def test_chat_messages_and_logprobs(self):
+        r = self.stub.Complete(pb.GenerateRequest(
+            messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="hi <|endoftext|>")]),
+            max_tokens=4, temperature=0, logprobs=3, prompt_logprobs=True))
+        self.assertEqual(len(r.logprobs), len(r.token_ids))
+        for lp in r.logprobs:
+            self.assertLessEqual(lp.logprob, 0.0)
+            self.assertEqual(len(lp.top), 3)
+            self.assertEqual(lp.top[0].token_id, lp.token_id)  # greedy: the chosen token is the most likely
+        self.assertGreater(len(r.prompt_logprobs), 3)
+        self.assertFalse(r.prompt_logprobs[0].HasField("logprob"))
+        self.assertTrue(all(p.HasField("logprob") and p.logprob <= 0 for p in r.prompt_logprobs[1:]))
+        eos = self.stub.GetModelInfo(pb.GetModelInfoRequest()).eos_token_id
+        self.assertNotIn(eos, [p.token_id for p in r.prompt_logprobs])  # user text never becomes a special token
+
+    def test_model_info_health_reflection(self):
+        info = self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        self.assertEqual(info.attention, "GQA")
+        self.assertEqual(info.kv_bytes_per_token, 2 * 2 * 2 * 16 * 2)
+        self.assertTrue(info.instance_id)
+        h = self.s.health
+        self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service="")).status, health_pb2.HealthCheckResponse.SERVING)
+        self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service=INFER)).status, health_pb2.HealthCheckResponse.SERVING)
+        # Server reflection (grpc.reflection.v1alpha), hand-encoded: list_services = "" is field 7.
+        refl = self.s.channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                            request_serializer=None, response_deserializer=None)
+        resp = b"".join(refl(iter([b"\x3a\x00"])))
+        self.assertIn(INFER.encode(), resp)
+        # qkvctl health works as a container health check.
+        import subprocess
+        r = subprocess.run([os.path.join(BIN, "qkvctl"), "--addr", self.s.addr, "health", "--service", INFER],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("SERVING", r.stdout)
+
+    def test_qkvctl(self):
+        import json
+        import subprocess
+        q = [os.path.join(BIN, "qkvctl"), "--addr", self.s.addr, "--json"]
+        out = subprocess.run(q + ["generate", "-p", "Hello", "-n", "5", "--temperature", "0"], capture_output=True,
+                             text=True, check=True).stdout
+        j = json.loads(out)
+        self.assertEqual(len(j["token_ids"]), 5)
+        subprocess.run(q + ["session", "create", "--id", "ctl"], check=True, capture_output=True)
+        for _ in range(2):
+            j = json.loads(subprocess.run(q + ["generate", "--session", "ctl", "-p", " more", "-n", "3", "--temperature", "0"],
+                                          capture_output=True, text=True, check=True).stdout)
+        self.assertGreater(j["usage"]["cached_tokens"], 0)
+        listed = json.loads(subprocess.run(q + ["session", "list"], capture_output=True, text=True, check=True).stdout)
+        self.assertIn("ctl", [s["session_id"] for s in listed])
+        r = subprocess.run(q + ["session", "show", "missing"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("NOT_FOUND", r.stderr)
+        subprocess.run(q + ["session", "close", "ctl"], check=True, capture_output=True)
+
+
+class QueueTest(unittest.TestCase):
+    def test_queue_full_is_resource_exhausted(self):
+        s = Server("--max-waiting", "2", "--max-num-seqs", "1")
+        try:
+            streams = [s.stub.Generate(pb.GenerateRequest(text="q", max_tokens=150, ignore_eos=True)) for _ in range(8)]
+            codes = []
+            for st in streams:
+                try:
+                    list(st)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+                    self.assertIn("queue", e.details())
+            self.assertIn(grpc.StatusCode.RESOURCE_EXHAUSTED, codes)
+            self.assertIn(grpc.StatusCode.OK, codes)
+        finally:
+            s.stop()
+
+
+class AuthTest(unittest.TestCase):
+    def test_keys_isolate_sessions_requests_and_prefixes(self):
+        keys = os.path.join(TMP, "keys.txt")
+        with open(keys, "w") as f:
+            f.write("key-alice\nkey-bob\n")
+        s = Server("--api-keys", keys)
+        try:
+            A = [("authorization", "Bearer key-alice")]
+            B = [("authorization", "Bearer key-bob")]
+            with self.assertRaises(grpc.RpcError) as cm:
+                s.stub.GetModelInfo(pb.GetModelInfoRequest())
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+            with self.assertRaises(grpc.RpcError) as cm:
+                s.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=[("authorization", "Bearer wrong")])
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+            s.stub.CreateSession(pb.CreateSessionRequest(session_id="same"), metadata=A)
+            with self.assertRaises(grpc.RpcError) as cm:
+                s.stub.GetSession(pb.GetSessionRequest(session_id="same"), metadata=B)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+            s.stub.CreateSession(pb.CreateSessionRequest(session_id="same"), metadata=B)  # same name, no clash
+            s.stub.Complete(greedy(text="alice's words " * 8, session_id="same", max_tokens=2), metadata=A)
+            b = s.stub.GetSession(pb.GetSessionRequest(session_id="same"), metadata=B)
+            self.assertEqual(b.num_tokens, 0)
+            self.assertEqual([x.session_id for x in s.stub.ListSessions(pb.ListSessionsRequest(), metadata=B).sessions], ["same"])
+            # Prefix cache: bob does not hit alice's cached prompt.
+            p = greedy(text="shared prompt text " * 10, max_tokens=2)
+            s.stub.Complete(p, metadata=A)
+            self.assertGreater(s.stub.Complete(p, metadata=A).usage.cached_tokens, 0)
+            self.assertEqual(s.stub.Complete(p, metadata=B).usage.cached_tokens, 0)
+            # Bob cannot cancel alice's request.
+            st = s.stub.Generate(pb.GenerateRequest(text="x", max_tokens=60, request_id="r1", ignore_eos=True), metadata=A)
+            next(st)
+            s.stub.Cancel(pb.CancelRequest(request_id="r1"), metadata=B)
+            self.assertEqual(list(st)[-1].finish_reason, "length")
+        finally:
+            s.stop()
+
+
+class DrainTest(unittest.TestCase):
+    def test_sigterm_drains_then_exits_zero(self):
+        s = Server("--drain-grace-seconds", "30")
+        stream = s.stub.Generate(pb.GenerateRequest(text="drain", max_tokens=120, ignore_eos=True))
+        next(stream)
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            st = s.health.Check(health_pb2.HealthCheckRequest(service=INFER)).status
+            if st == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            time.sleep(0.02)
+        self.assertEqual(st, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.assertEqual(s.health.Check(health_pb2.HealthCheckRequest(service="")).status,
+                         health_pb2.HealthCheckResponse.SERVING)  # liveness: a draining pod is not killed
+        with self.assertRaises(grpc.RpcError) as cm:
+            s.stub.Complete(greedy(text="new", max_tokens=2))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        rest = list(stream)
+        self.assertEqual(rest[-1].finish_reason, "length")  # the in-flight request finished normally
+        self.assertEqual(s.proc.wait(30), 0)
+        s.stop()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
