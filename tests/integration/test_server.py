@@ -304,5 +304,31 @@ class DrainTest(unittest.TestCase):
         s.stop()
 
 
+class NodeClientTest(unittest.TestCase):
+    """@grpc/grpc-js + @grpc/proto-loader from npm, installed into a cache directory on first use."""
+
+    def test_node_client(self):
+        import shutil
+        import subprocess
+        if not shutil.which("node") or not shutil.which("npm"):
+            self.fail("node and npm are needed for the foreign-client test")
+        cache = os.environ.get("QKV_NODE_CACHE", "/tmp/qkv-node-grpc")
+        if not os.path.isdir(os.path.join(cache, "node_modules", "@grpc", "grpc-js")):
+            os.makedirs(cache, exist_ok=True)
+            subprocess.run(["npm", "init", "-y"], cwd=cache, check=True, capture_output=True)
+            subprocess.run(["npm", "install", "--no-audit", "--no-fund", "@grpc/grpc-js@1", "@grpc/proto-loader@0.7"],
+                           cwd=cache, check=True, capture_output=True, timeout=600)
+        script = os.path.join(cache, "node_client.mjs")
+        shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_client.mjs"), script)
+        s = Server()
+        try:
+            from harness import ROOT
+            r = subprocess.run(["node", script, s.addr, os.path.join(ROOT, "proto")], capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn('"generate_tokens":6', r.stdout)
+        finally:
+            s.stop()
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
