@@ -7,10 +7,15 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
+#include <google/protobuf/util/json_util.h>
+
+#include "engine/capacity_plan.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "qkvserve/v1/inference.grpc.pb.h"
 
@@ -180,6 +185,7 @@ void AddGenOptions(CLI::App* app, GenOpts& g) {
 int main(int argc, char** argv) {
   CLI::App app{"qkvctl: command-line client for qkvserve"};
   app.require_subcommand(1);
+  app.fallthrough();  // global flags (--json, --addr, ...) may also follow the subcommand
   Common c;
   c.addr = Env("QKVSERVE_ADDR", c.addr);
   c.api_key = Env("QKVSERVE_API_KEY", "");
@@ -207,6 +213,7 @@ int main(int argc, char** argv) {
 
   auto* sess = app.add_subcommand("session", "manage sessions");
   sess->require_subcommand(1);
+  sess->fallthrough();
   std::string sid, child;
   double ttl = 0;
   int priority = 0, ntok = 0;
@@ -241,7 +248,38 @@ int main(int argc, char** argv) {
   auto* health = app.add_subcommand("health", "check health (exit 0 when SERVING): --service qkvserve.v1.Inference for readiness");
   health->add_option("--service", health_service, "service name (\"\" = liveness)");
 
+  bool watch = false;
+  auto* stats = app.add_subcommand("stats", "KV cache, sessions, requests and memory figures (the same as /metrics)");
+  stats->add_flag("--watch", watch, "redraw once a second, like top (Ctrl-C ends)");
+  auto* plan = app.add_subcommand("plan", "offline: KV bytes per token and how many tokens and sessions fit (Hugging Face config.json)");
+  std::string plan_config, plan_memory = "16GiB", plan_dtype = "bf16";
+  int64_t plan_context = 4096;
+  plan->add_option("--config", plan_config, "Hugging Face config.json")->required();
+  plan->add_option("--memory", plan_memory, "memory for the KV cache")->capture_default_str();
+  plan->add_option("--context", plan_context, "tokens per session")->capture_default_str();
+  plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16 or f32")->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
+  if (plan->parsed()) {
+    std::ifstream in(plan_config);
+    if (!in) {
+      std::fprintf(stderr, "qkvctl: cannot read --config '%s'\n", plan_config.c_str());
+      return 2;
+    }
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto mem = qkv::ParseByteSize(plan_memory);
+    if (!mem.ok() || (plan_dtype != "bf16" && plan_dtype != "f16" && plan_dtype != "f32")) {
+      std::fprintf(stderr, "qkvctl: --memory or --dtype is invalid\n");
+      return 2;
+    }
+    auto p = qkv::PlanCapacity(text, *mem, plan_context, plan_dtype == "f32" ? 4 : 2);
+    if (!p.ok()) {
+      std::fprintf(stderr, "qkvctl: %s\n", p.status().message().c_str());
+      return 2;
+    }
+    std::cout << (c.json_out ? p->ToJson() + "\n" : p->ToText());
+    return 0;
+  }
   auto channel = Connect(c);
   auto stub = pb::Inference::NewStub(channel);
 
@@ -399,6 +437,56 @@ int main(int argc, char** argv) {
     r.set_request_id(cancel_id);
     pb::CancelResponse resp;
     return Report(stub->Cancel(&ctx, r, &resp));
+  }
+  if (stats->parsed()) {
+    for (;;) {
+      grpc::ClientContext ctx;
+      Prepare(c, ctx);
+      pb::GetStatsRequest r;
+      pb::Stats st;
+      if (int rc = Report(stub->GetStats(&ctx, r, &st))) return rc;
+      if (c.json_out) {
+        std::string js;
+        google::protobuf::util::JsonPrintOptions o;
+        o.always_print_primitive_fields = true;
+        o.preserve_proto_field_names = true;
+        (void)google::protobuf::util::MessageToJsonString(st, &js, o);
+        std::cout << js << "\n";
+      } else {
+        if (watch) std::cout << "\x1b[H\x1b[2J";
+        auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
+        std::printf("KV cache  %5.1f%% used: %lld used + %lld cached + %lld free of %lld blocks (%d tokens each)\n",
+                    100 * st.kv_cache_usage_ratio(), (long long)st.kv_blocks_used(), (long long)st.kv_blocks_cached(),
+                    (long long)st.kv_blocks_free(), (long long)st.kv_blocks_total(), st.kv_block_size_tokens());
+        std::printf("          %lld of %lld token slots hold tokens (%lld slack), %.1f of %.1f MiB\n",
+                    (long long)st.kv_tokens_used(), (long long)st.kv_tokens_capacity(), (long long)st.kv_cache_slack_tokens(),
+                    mib(st.kv_bytes_used()), mib(st.kv_bytes_capacity()));
+        std::printf("prefix    %llu of %llu looked-up prompt tokens hit\n", (unsigned long long)st.prefix_cache_hits_tokens_total(),
+                    (unsigned long long)st.prefix_cache_queries_tokens_total());
+        std::printf("sessions  %lld resident, %lld evicted, %.1f MiB of KV; evictions memory %llu ttl %llu closed %llu\n",
+                    (long long)st.sessions_resident(), (long long)st.sessions_evicted(), mib(st.session_kv_bytes()),
+                    (unsigned long long)st.session_evictions_memory_total(), (unsigned long long)st.session_evictions_ttl_total(),
+                    (unsigned long long)st.session_evictions_closed_total());
+        std::printf("requests  %lld running, %lld waiting; finished stop %llu length %llu cancelled %llu error %llu; preemptions %llu\n",
+                    (long long)st.requests_running(), (long long)st.requests_waiting(),
+                    (unsigned long long)st.requests_finished_stop_total(), (unsigned long long)st.requests_finished_length_total(),
+                    (unsigned long long)st.requests_finished_cancelled_total(), (unsigned long long)st.requests_finished_error_total(),
+                    (unsigned long long)st.preemptions_total());
+        std::printf("tokens    prompt %llu (cached %llu), generated %llu\n", (unsigned long long)st.prompt_tokens_total(),
+                    (unsigned long long)st.cached_prompt_tokens_total(), (unsigned long long)st.generated_tokens_total());
+        std::printf("memory    RSS %.1f MiB = weights %.1f + kv arena %.1f + scratch %.1f + heap %.1f + other %.1f\n",
+                    mib(st.resident_memory_bytes()), mib(st.memory_weights_bytes()), mib(st.memory_kv_arena_bytes()),
+                    mib(st.memory_scratch_bytes()), mib(st.memory_heap_bytes()), mib(st.memory_other_bytes()));
+        if (st.top_sessions_size()) std::printf("your sessions by resident bytes:\n");
+        for (const auto& u : st.top_sessions()) {
+          std::printf("  %-24s %-8s %8lld B %6lld blocks %7d tokens\n", u.session_id().c_str(), u.state().c_str(),
+                      (long long)u.resident_bytes(), (long long)u.resident_blocks(), u.num_tokens());
+        }
+      }
+      if (!watch) return 0;
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
   }
   if (health->parsed()) {
     auto hs = grpc::health::v1::Health::NewStub(channel);

@@ -230,6 +230,8 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
   e.timings.queue_s = s->scheduled_once ? Seconds(s->submitted, s->first_scheduled) : Seconds(s->submitted, now);
   e.timings.ttft_s = s->emitted_token ? Seconds(s->submitted, s->first_token) : 0;
   e.timings.total_s = Seconds(s->submitted, now);
+  counters_.e2e.Observe(e.timings.total_s);
+  if (s->scheduled_once) counters_.queue.Observe(e.timings.queue_s);
   if (s->params.prompt_logprobs && !s->prompt_logprobs_sent) e.prompt_logprobs = s->prompt_logprobs;
 
   KvBlockPool& pool = model_.blocks();
@@ -308,6 +310,8 @@ void Engine::Step() {
   }
   if (plan.empty()) return;
   ++counters_.steps;
+  const auto step_start = Clock::now();
+  counters_.batch_tokens.Observe(plan.n_tokens);
 
   std::vector<BatchChunk> batch;
   batch.reserve(plan.chunks.size());
@@ -371,10 +375,15 @@ void Engine::Step() {
     s->sampler->Accept(next);
     s->ctx.tokens.push_back(next);
     ++s->n_generated;
+    const auto tnow = Clock::now();
     if (!s->emitted_token) {
       s->emitted_token = true;
-      s->first_token = Clock::now();
+      s->first_token = tnow;
+      counters_.ttft.Observe(Seconds(s->submitted, tnow));
+    } else {
+      counters_.itl.Observe(Seconds(s->last_token, tnow));
     }
+    s->last_token = tnow;
     e.token_ids.push_back(next);
     FinishReason reason = FinishReason::kNone;
     std::string stop_reason;
@@ -402,6 +411,7 @@ void Engine::Step() {
     if (reason != FinishReason::kNone) done.push_back({s, {reason, stop_reason}});
   }
   for (auto& [s, why] : done) Finish(s, why.first, why.second);
+  counters_.step.Observe(Seconds(step_start, Clock::now()));
 }
 
 SessionInfo Engine::Info(const Session& s, bool with_tokens) const {

@@ -210,6 +210,13 @@ Status Model::LoadWeights(const GgufFile& f) {
   return {};
 }
 
+size_t Model::scratch_bytes() const {
+  size_t n = 0;
+  for (const auto* v : {&x_, &h_, &qkv_, &attn_, &tmp_, &gu_, &act_, &logits_, &attn_scratch_}) n += v->capacity() * sizeof(float);
+  n += in_lp_.capacity() * sizeof(uint16_t);
+  return n + rt_->scratch_bytes();
+}
+
 void Model::ToComputeInput(const float* x, int rows, int k) {
   if (opt_.weights_dtype == DType::kBF16) F32ToBf16Bulk(x, in_lp_.data(), static_cast<int64_t>(rows) * k);
 }

@@ -63,6 +63,8 @@ class Model {
   // Bytes the LM head, QKV/O/FFN GEMMs read per decoded token (the bandwidth roofline's numerator).
   size_t weight_bytes_per_token() const { return weight_bytes_per_token_; }
   const GemmRuntime& gemm() const { return *rt_; }
+  // Bytes of scratch sized at load: activation buffers, logits, attention and oneDNN scratchpads.
+  size_t scratch_bytes() const;
 
   // Runs the batch. Each chunk's tokens are appended to its sequence (blocks must be reserved first,
   // see ReserveBlocks). Logits rows come out in chunk order: all of a chunk's tokens if all_logits, else

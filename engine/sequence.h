@@ -55,7 +55,7 @@ struct Sequence {
   int session_kv_before = 0;
   std::vector<float> prompt_logprobs;
   bool prompt_logprobs_sent = false;
-  Clock::time_point submitted, first_scheduled, first_token;
+  Clock::time_point submitted, first_scheduled, first_token, last_token;
   bool scheduled_once = false;
   bool emitted_token = false;
   int preemptions = 0;

@@ -1,5 +1,9 @@
 #include "server/metrics.h"
 
+#include <limits>
+
+#include "server/memory.h"
+
 #include <prometheus/collectable.h>
 #include <prometheus/exposer.h>
 #include <prometheus/metric_family.h>
@@ -27,48 +31,86 @@ void Add(MetricFamily& f, double v, std::vector<ClientMetric::Label> labels = {}
   f.metric.push_back(std::move(m));
 }
 
+void AddHistogram(std::vector<MetricFamily>& out, const std::string& name, const std::string& help, const Histogram& h) {
+  MetricFamily f = Family(name, help, MetricType::Histogram);
+  ClientMetric m;
+  uint64_t cum = 0;
+  for (size_t i = 0; i < h.counts.size(); ++i) {
+    cum += h.counts[i];
+    ClientMetric::Bucket b;
+    b.cumulative_count = cum;
+    b.upper_bound = i < h.bounds.size() ? h.bounds[i] : std::numeric_limits<double>::infinity();
+    m.histogram.bucket.push_back(b);
+  }
+  m.histogram.sample_count = h.count;
+  m.histogram.sample_sum = h.sum;
+  f.metric.push_back(std::move(m));
+  out.push_back(std::move(f));
+}
+
 class EngineCollectable final : public prometheus::Collectable {
  public:
   EngineCollectable(const Engine& e, std::string model) : engine_(e), model_(std::move(model)) {}
   std::vector<MetricFamily> Collect() const override {
     const EngineStats s = engine_.Stats();
+    const MemoryBreakdown mem = MeasureMemory(engine_.model());
+    const int64_t bpt = s.kv_bytes_per_token;
     std::vector<MetricFamily> out;
-    auto g = [&](const std::string& n, const std::string& h) { return Family(n, h, MetricType::Gauge); };
-    auto c = [&](const std::string& n, const std::string& h) { return Family(n, h, MetricType::Counter); };
-    auto blocks = g("qkvserve_kv_cache_blocks", "KV cache blocks by state (used + cached + free = total)");
-    Add(blocks, static_cast<double>(s.blocks_used), {{"state", "used"}});
-    Add(blocks, static_cast<double>(s.blocks_cached), {{"state", "cached"}});
-    Add(blocks, static_cast<double>(s.blocks_free), {{"state", "free"}});
-    out.push_back(blocks);
-    auto tokens = g("qkvserve_kv_cache_tokens", "KV cache token slots");
-    Add(tokens, static_cast<double>(s.tokens_capacity), {{"state", "capacity"}});
-    Add(tokens, static_cast<double>(s.tokens_used), {{"state", "used"}});
-    out.push_back(tokens);
-    auto usage = g("qkvserve_kv_cache_usage_ratio", "used blocks / total blocks");
-    Add(usage, s.blocks_total ? static_cast<double>(s.blocks_used) / static_cast<double>(s.blocks_total) : 0.0);
-    out.push_back(usage);
-    auto reqs = g("qkvserve_requests", "requests by state");
-    Add(reqs, static_cast<double>(s.requests_running), {{"state", "running"}});
-    Add(reqs, static_cast<double>(s.requests_waiting), {{"state", "waiting"}});
-    out.push_back(reqs);
-    auto sess = g("qkvserve_sessions", "sessions by state");
-    Add(sess, static_cast<double>(s.sessions_resident), {{"state", "resident"}});
-    Add(sess, static_cast<double>(s.sessions_evicted), {{"state", "evicted"}});
-    out.push_back(sess);
-    auto fin = c("qkvserve_requests_finished_total", "finished requests by reason");
-    Add(fin, static_cast<double>(s.finished_stop), {{"reason", "stop"}});
-    Add(fin, static_cast<double>(s.finished_length), {{"reason", "length"}});
-    Add(fin, static_cast<double>(s.finished_cancelled), {{"reason", "cancelled"}});
-    Add(fin, static_cast<double>(s.finished_error), {{"reason", "error"}});
-    out.push_back(fin);
-    auto gen = c("qkvserve_generated_tokens_total", "generated tokens");
-    Add(gen, static_cast<double>(s.generated_tokens));
-    out.push_back(gen);
-    auto info = g("qkvserve_build_info", "constant 1, labelled with the build and model");
-    Add(info, 1.0, {{"version", "0.1.0"}, {"model", model_},
-                    {"architecture", ArchName(engine_.model().config().arch)},
+    auto gauge = [&](const std::string& n, const std::string& h, std::vector<std::pair<std::string, double>> values,
+                     const std::string& label = "") {
+      MetricFamily f = Family(n, h, MetricType::Gauge);
+      for (auto& [lv, v] : values) Add(f, v, label.empty() ? std::vector<ClientMetric::Label>{} : std::vector<ClientMetric::Label>{{label, lv}});
+      out.push_back(std::move(f));
+    };
+    auto counter = [&](const std::string& n, const std::string& h, std::vector<std::pair<std::string, double>> values,
+                       const std::string& label = "") {
+      MetricFamily f = Family(n, h, MetricType::Counter);
+      for (auto& [lv, v] : values) Add(f, v, label.empty() ? std::vector<ClientMetric::Label>{} : std::vector<ClientMetric::Label>{{label, lv}});
+      out.push_back(std::move(f));
+    };
+    auto d = [](auto v) { return static_cast<double>(v); };
+    gauge("qkvserve_kv_cache_blocks", "KV blocks: used (referenced), cached (reusable prefix), free; they sum to the total",
+          {{"used", d(s.blocks_used)}, {"cached", d(s.blocks_cached)}, {"free", d(s.blocks_free)}}, "state");
+    gauge("qkvserve_kv_cache_tokens", "KV token slots", {{"capacity", d(s.tokens_capacity)}, {"used", d(s.tokens_used)}}, "state");
+    gauge("qkvserve_kv_cache_bytes", "bytes of the KV arena",
+          {{"capacity", d(s.tokens_capacity * bpt)}, {"used", d(s.tokens_used * bpt)}}, "state");
+    gauge("qkvserve_kv_cache_usage_ratio", "used blocks / total blocks",
+          {{"", s.blocks_total ? d(s.blocks_used) / d(s.blocks_total) : 0.0}});
+    gauge("qkvserve_kv_cache_slack_tokens", "allocated KV slots not yet holding a token", {{"", d(s.slack_tokens)}});
+    gauge("qkvserve_kv_bytes_per_token", "KV bytes per token (layers x 2 x kv heads x head_dim x bytes)", {{"", d(bpt)}});
+    gauge("qkvserve_kv_block_size_tokens", "tokens per KV block", {{"", d(s.block_size)}});
+    counter("qkvserve_prefix_cache_queries_tokens_total", "prompt tokens looked up in the prefix cache", {{"", d(s.prefix_queries_tokens)}});
+    counter("qkvserve_prefix_cache_hits_tokens_total", "prompt tokens found in the prefix cache", {{"", d(s.prefix_hits_tokens)}});
+    gauge("qkvserve_sessions", "sessions: resident (KV held) or evicted (history only)",
+          {{"resident", d(s.sessions_resident)}, {"evicted", d(s.sessions_evicted)}}, "state");
+    gauge("qkvserve_session_kv_bytes", "KV bytes held by sessions", {{"", d(s.session_kv_bytes)}});
+    counter("qkvserve_session_evictions_total", "sessions that lost their KV (memory) or were closed (ttl, closed)",
+            {{"memory", d(s.session_evictions_memory)}, {"ttl", d(s.session_evictions_ttl)}, {"closed", d(s.session_evictions_closed)}},
+            "reason");
+    counter("qkvserve_preemptions_total", "running requests preempted by recompute", {{"", d(s.preemptions)}});
+    gauge("qkvserve_requests", "requests by state", {{"running", d(s.requests_running)}, {"waiting", d(s.requests_waiting)}}, "state");
+    counter("qkvserve_requests_finished_total", "finished requests by reason",
+            {{"stop", d(s.finished_stop)}, {"length", d(s.finished_length)}, {"cancelled", d(s.finished_cancelled)},
+             {"error", d(s.finished_error)}},
+            "reason");
+    counter("qkvserve_prompt_tokens_total", "prompt tokens processed (whole context)", {{"", d(s.prompt_tokens)}});
+    counter("qkvserve_cached_prompt_tokens_total", "prompt tokens reused without recompute", {{"", d(s.cached_prompt_tokens)}});
+    counter("qkvserve_generated_tokens_total", "generated tokens", {{"", d(s.generated_tokens)}});
+    AddHistogram(out, "qkvserve_time_to_first_token_seconds", "submit to first token", s.ttft);
+    AddHistogram(out, "qkvserve_inter_token_latency_seconds", "time between tokens of a request", s.itl);
+    AddHistogram(out, "qkvserve_request_duration_seconds", "submit to end", s.e2e);
+    AddHistogram(out, "qkvserve_queue_time_seconds", "submit to first scheduled", s.queue);
+    AddHistogram(out, "qkvserve_step_duration_seconds", "engine step (forward pass and sampling)", s.step);
+    AddHistogram(out, "qkvserve_batch_size_tokens", "tokens per engine step", s.batch_tokens);
+    gauge("qkvserve_memory_bytes", "resident memory by owner",
+          {{"weights", d(mem.weights)}, {"kv_arena", d(mem.kv_arena)}, {"scratch", d(mem.scratch)}, {"heap", d(mem.heap)},
+           {"other", d(mem.other)}},
+          "component");
+    gauge("qkvserve_resident_memory_bytes", "process RSS", {{"", d(mem.rss)}});
+    MetricFamily info = Family("qkvserve_build_info", "constant 1, labelled with the build and model", MetricType::Gauge);
+    Add(info, 1.0, {{"version", "0.1.0"}, {"model", model_}, {"architecture", ArchName(engine_.model().config().arch)},
                     {"attention", engine_.model().config().AttentionKind()}});
-    out.push_back(info);
+    out.push_back(std::move(info));
     return out;
   }
 

@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "engine/utf8.h"
+#include "server/memory.h"
 
 namespace qkv::server {
 namespace pb = qkvserve::v1;
@@ -457,6 +458,66 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_eos_token_id(m.tokenizer().eos_id());
   resp->set_bos_token_id(m.tokenizer().bos_id());
   resp->set_chat_template(ChatTemplateName(opt_.chat_template));
+  return Done(ctx, grpc::Status::OK);
+}
+
+}  // namespace qkv::server
+
+namespace qkv::server {
+
+grpc::ServerUnaryReactor* InferenceService::GetStats(grpc::CallbackServerContext* ctx, const pb::GetStatsRequest* req,
+                                                     pb::Stats* r) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  const EngineStats s = engine_.Stats();
+  const MemoryBreakdown mem = MeasureMemory(engine_.model());
+  r->set_kv_blocks_used(s.blocks_used);
+  r->set_kv_blocks_cached(s.blocks_cached);
+  r->set_kv_blocks_free(s.blocks_free);
+  r->set_kv_blocks_total(s.blocks_total);
+  r->set_kv_tokens_capacity(s.tokens_capacity);
+  r->set_kv_tokens_used(s.tokens_used);
+  r->set_kv_bytes_capacity(s.tokens_capacity * s.kv_bytes_per_token);
+  r->set_kv_bytes_used(s.tokens_used * s.kv_bytes_per_token);
+  r->set_kv_cache_usage_ratio(s.blocks_total ? static_cast<double>(s.blocks_used) / static_cast<double>(s.blocks_total) : 0.0);
+  r->set_kv_cache_slack_tokens(s.slack_tokens);
+  r->set_kv_bytes_per_token(s.kv_bytes_per_token);
+  r->set_kv_block_size_tokens(s.block_size);
+  r->set_prefix_cache_queries_tokens_total(s.prefix_queries_tokens);
+  r->set_prefix_cache_hits_tokens_total(s.prefix_hits_tokens);
+  r->set_sessions_resident(s.sessions_resident);
+  r->set_sessions_evicted(s.sessions_evicted);
+  r->set_session_kv_bytes(s.session_kv_bytes);
+  r->set_session_evictions_memory_total(s.session_evictions_memory);
+  r->set_session_evictions_ttl_total(s.session_evictions_ttl);
+  r->set_session_evictions_closed_total(s.session_evictions_closed);
+  r->set_preemptions_total(s.preemptions);
+  r->set_requests_running(s.requests_running);
+  r->set_requests_waiting(s.requests_waiting);
+  r->set_requests_finished_stop_total(s.finished_stop);
+  r->set_requests_finished_length_total(s.finished_length);
+  r->set_requests_finished_cancelled_total(s.finished_cancelled);
+  r->set_requests_finished_error_total(s.finished_error);
+  r->set_prompt_tokens_total(s.prompt_tokens);
+  r->set_cached_prompt_tokens_total(s.cached_prompt_tokens);
+  r->set_generated_tokens_total(s.generated_tokens);
+  r->set_memory_weights_bytes(mem.weights);
+  r->set_memory_kv_arena_bytes(mem.kv_arena);
+  r->set_memory_scratch_bytes(mem.scratch);
+  r->set_memory_heap_bytes(mem.heap);
+  r->set_memory_other_bytes(mem.other);
+  r->set_resident_memory_bytes(mem.rss);
+  std::vector<SessionInfo> mine = engine_.ListSessions(*ns);
+  std::sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.resident_bytes > b.resident_bytes; });
+  const size_t top = req->top_sessions() > 0 ? static_cast<size_t>(req->top_sessions()) : 10;
+  for (size_t i = 0; i < mine.size() && i < top; ++i) {
+    auto* u = r->add_top_sessions();
+    u->set_session_id(mine[i].id);
+    u->set_resident_bytes(mine[i].resident_bytes);
+    u->set_resident_blocks(mine[i].resident_blocks);
+    u->set_num_tokens(mine[i].n_tokens);
+    u->set_state(mine[i].evicted ? "evicted" : "resident");
+  }
   return Done(ctx, grpc::Status::OK);
 }
 

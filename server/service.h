@@ -52,6 +52,8 @@ class InferenceService final : public qkvserve::v1::Inference::CallbackService {
                                        qkvserve::v1::DetokenizeResponse* resp) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx, const qkvserve::v1::GetModelInfoRequest* req,
                                          qkvserve::v1::ModelInfo* resp) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const qkvserve::v1::GetStatsRequest* req,
+                                     qkvserve::v1::Stats* resp) override;
 
   // Shared with the reactors.
   StatusOr<std::string> Authenticate(grpc::CallbackServerContext* ctx) const;

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "engine/capacity_plan.h"
 #include "engine/gguf.h"
 #include "engine/model_config.h"
 #include "engine/random_model.h"
@@ -113,17 +114,32 @@ int Tokenize(const std::string& path, bool decode, bool parse_special, bool add_
       std::cout << nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     } else {
       if (!j.is_string()) return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": expected a JSON string"));
-      std::vector<int> ids;
-      if (add_special && (*tok)->add_bos() && (*tok)->bos_id() >= 0) ids.push_back((*tok)->bos_id());
       const auto enc = (*tok)->Encode(j.get<std::string>(), parse_special);
-      ids.insert(ids.end(), enc.begin(), enc.end());
-      std::cout << nlohmann::json(ids).dump() << "\n";
+      nlohmann::json ids = nlohmann::json::array();
+      if (add_special && (*tok)->add_bos() && (*tok)->bos_id() >= 0) ids.push_back((*tok)->bos_id());
+      for (int t : enc) ids.push_back(t);
+      std::cout << ids.dump() << "\n";
     }
   }
   return 0;
 }
 
 }  // namespace
+
+// Shared with qkvctl plan: reads the config and prints the plan.
+int PlanMain(const std::string& config, const std::string& memory, int64_t context, const std::string& dtype, bool json) {
+  std::ifstream in(config);
+  if (!in) return Fail(qkv::NotFound("cannot read --config '" + config + "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto mem = qkv::ParseByteSize(memory);
+  if (!mem.ok()) return Fail(qkv::InvalidArgument("--memory: " + mem.status().message()));
+  if (dtype != "bf16" && dtype != "f32" && dtype != "f16") return Fail(qkv::InvalidArgument("--dtype must be bf16, f16 or f32"));
+  auto plan = qkv::PlanCapacity(ss.str(), *mem, context, dtype == "f32" ? 4 : 2);
+  if (!plan.ok()) return Fail(plan.status());
+  std::cout << (json ? plan->ToJson() + "\n" : plan->ToText());
+  return 0;
+}
 
 int main(int argc, char** argv) {
   CLI::App app{"qkv-model: make and inspect qkvserve model files"};
@@ -146,7 +162,17 @@ int main(int argc, char** argv) {
   tokenize->add_flag("--decode", decode, "read id arrays, print strings");
   tokenize->add_flag("--parse-special", parse_special, "treat special-token text (e.g. <|endoftext|>) as the special token");
   tokenize->add_flag("--add-special", add_special, "add BOS when the model asks for it");
+  auto* plan = app.add_subcommand("plan", "KV bytes per token and how many tokens and sessions fit (from a Hugging Face config.json)");
+  std::string plan_config, plan_memory = "16GiB", plan_dtype = "bf16";
+  int64_t plan_context = 4096;
+  bool plan_json = false;
+  plan->add_option("--config", plan_config, "Hugging Face config.json")->required();
+  plan->add_option("--memory", plan_memory, "memory for the KV cache")->capture_default_str();
+  plan->add_option("--context", plan_context, "tokens per session")->capture_default_str();
+  plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16 or f32")->capture_default_str();
+  plan->add_flag("--json", plan_json, "print a JSON object");
   CLI11_PARSE(app, argc, argv);
+  if (plan->parsed()) return PlanMain(plan_config, plan_memory, plan_context, plan_dtype, plan_json);
   if (random->parsed()) return Random(config, out, arch, dtype, seed);
   if (tokenize->parsed()) return Tokenize(tok_model, decode, parse_special, add_special);
   return Info(model);

@@ -52,6 +52,12 @@ class GemmRuntime {
   void* scratch(int thread) { return scratch_[thread].data(); }
   // A dense [kTileRows x slice] output buffer per thread (see Linear::Forward).
   float* out(int thread) { return out_[thread].data(); }
+  size_t scratch_bytes() const {
+    size_t n = 0;
+    for (const auto& s : scratch_) n += s.capacity();
+    for (const auto& o : out_) n += o.capacity() * sizeof(float);
+    return n;
+  }
   dnnl::stream& stream(int thread) { return streams_[thread]; }
   // One line per distinct primitive: shape and the kernel oneDNN picked.
   std::vector<std::string> KernelLog() const;

@@ -51,7 +51,9 @@ class Server:
     def __init__(self, *args, model=None):
         self.ready_path = tempfile.mktemp(prefix="ready", dir=TMP)
         self.log_path = self.ready_path + ".log"
-        cmd = [os.path.join(BIN, "qkvserve"), "--model", model or make_model(), "--listen", "127.0.0.1:0",
+        # model="" starts the server without --model (its default resolution).
+        model_args = [] if model == "" else ["--model", model or make_model()]
+        cmd = [os.path.join(BIN, "qkvserve"), *model_args, "--listen", "127.0.0.1:0",
                "--metrics-listen", "127.0.0.1:0", "--ready-file", self.ready_path, "--threads", "1",
                "--kv-cache-bytes", "8MiB", *args]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")

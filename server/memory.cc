@@ -1,0 +1,32 @@
+#include "server/memory.h"
+
+#include <malloc.h>
+
+#include <fstream>
+#include <string>
+
+namespace qkv::server {
+
+MemoryBreakdown MeasureMemory(const Model& model) {
+  MemoryBreakdown m;
+  m.weights = static_cast<int64_t>(model.weight_bytes());
+  m.kv_arena = model.kv().arena_bytes();
+  m.scratch = static_cast<int64_t>(model.scratch_bytes());
+  const struct mallinfo2 mi = mallinfo2();
+  const int64_t in_use = static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+  m.heap = std::max<int64_t>(0, in_use - m.weights - m.scratch);
+  int64_t rss_kb = 0, anon_kb = 0;
+  std::ifstream in("/proc/self/smaps_rollup");
+  std::string key;
+  int64_t kb;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "Rss:") rss_kb = kb;
+    else if (key == "Anonymous:") anon_kb = kb;
+  }
+  m.rss = rss_kb * 1024;
+  m.other = (rss_kb - anon_kb) * 1024;
+  return m;
+}
+
+}  // namespace qkv::server

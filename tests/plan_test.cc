@@ -1,0 +1,57 @@
+#include "engine/capacity_plan.h"
+
+#include <gtest/gtest.h>
+
+namespace qkv {
+namespace {
+
+int64_t PerToken(const std::string& json, int bytes = 2) {
+  auto p = PlanCapacity(json, 16ll << 30, 4096, bytes);
+  EXPECT_TRUE(p.ok()) << p.status().ToString();
+  return p.ok() ? p->kv_bytes_per_token : -1;
+}
+
+// Published bf16 figures.
+TEST(Plan, DeepSeekLlm67b) {
+  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 95, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192, "head_dim": 128})"), 389120);
+  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 95, "num_attention_heads": 64, "hidden_size": 8192})"), 3112960);  // as MHA
+}
+
+TEST(Plan, Mla) {
+  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 60, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})"), 69120);
+  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})"), 70272);
+}
+
+TEST(Plan, HybridOnlyAttentionLayersHoldKv) {
+  const std::string base = R"("num_hidden_layers": 64, "num_attention_heads": 32, "head_dim": 256, "full_attention_interval": 4)";
+  EXPECT_EQ(PerToken("{" + base + R"(, "num_key_value_heads": 4})"), 64 * 1024);
+  EXPECT_EQ(PerToken("{" + base + R"(, "num_key_value_heads": 24})"), 384 * 1024);
+  EXPECT_EQ(PerToken("{" + base + R"(, "num_key_value_heads": 1})"), 16 * 1024);
+  std::string types = "[";
+  for (int i = 0; i < 64; ++i) types += std::string(i ? "," : "") + ((i % 4 == 3) ? "\"full_attention\"" : "\"linear_attention\"");
+  types += "]";
+  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 64, "num_attention_heads": 32, "head_dim": 256, "num_key_value_heads": 4, "layer_types": )" + types + "}"), 64 * 1024);
+}
+
+TEST(Plan, SlidingLayersAreCappedAtTheWindow) {
+  auto p = PlanCapacity(R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]})",
+                        1 << 30, 4096, 2);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->kv_bytes_per_token, 2 * 2 * 2 * 64 * 2);
+  EXPECT_EQ(p->bytes_per_session, 1024 * 4096 + 1024 * 128);
+  EXPECT_EQ(p->sessions_fit, (1 << 30) / p->bytes_per_session);
+  EXPECT_NE(p->ToJson().find("\"kv_bytes_per_token\":1024"), std::string::npos);
+}
+
+TEST(Plan, ErrorsAndSizes) {
+  EXPECT_FALSE(PlanCapacity("{}", 1, 1, 2).ok());
+  EXPECT_FALSE(PlanCapacity("not json", 1, 1, 2).ok());
+  EXPECT_EQ(*ParseByteSize("16GiB"), 16ll << 30);
+  EXPECT_EQ(*ParseByteSize("512MiB"), 512ll << 20);
+  EXPECT_EQ(*ParseByteSize("1000"), 1000);
+  EXPECT_FALSE(ParseByteSize("lots").ok());
+}
+
+}  // namespace
+}  // namespace qkv
