@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <cstdio>
 #include <fstream>
 #include <string>
 
@@ -13,16 +14,16 @@ MemoryBreakdown MeasureMemory(const Model& model) {
   m.kv_arena = model.kv().arena_bytes();
   m.scratch = static_cast<int64_t>(model.scratch_bytes());
   const struct mallinfo2 mi = mallinfo2();
-  const int64_t in_use = static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+  // The allocator's footprint: arena space obtained from the system (in use or free) plus mmapped chunks.
+  const int64_t in_use = static_cast<int64_t>(mi.arena + mi.hblkhd);
   m.heap = std::max<int64_t>(0, in_use - m.weights - m.scratch);
   int64_t rss_kb = 0, anon_kb = 0;
   std::ifstream in("/proc/self/smaps_rollup");
-  std::string key;
-  int64_t kb;
-  std::string unit;
-  while (in >> key >> kb >> unit) {
-    if (key == "Rss:") rss_kb = kb;
-    else if (key == "Anonymous:") anon_kb = kb;
+  std::string line;
+  while (std::getline(in, line)) {  // the first line is the address range header
+    long long kb = 0;
+    if (std::sscanf(line.c_str(), "Rss: %lld kB", &kb) == 1) rss_kb = kb;
+    else if (std::sscanf(line.c_str(), "Anonymous: %lld kB", &kb) == 1) anon_kb = kb;
   }
   m.rss = rss_kb * 1024;
   m.other = (rss_kb - anon_kb) * 1024;

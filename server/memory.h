@@ -2,7 +2,7 @@
 //   weights  - the converted weights the model holds (malloc'd by the engine and oneDNN);
 //   kv_arena - the KV arena (an anonymous mapping touched at start-up);
 //   scratch  - buffers sized at load (activations, logits, attention and oneDNN scratchpads);
-//   heap     - what the allocator has in use (mallinfo2) beyond weights and scratch;
+//   heap     - the allocator's footprint (mallinfo2 arena + mmapped chunks) beyond weights and scratch;
 //   other    - file-backed resident pages (the binary, shared libraries) from /proc/self/smaps_rollup.
 // The parts sum to RSS up to what none of them sees (thread stacks, JIT code, allocator slack).
 #pragma once
