@@ -164,8 +164,7 @@ class ServerTest(unittest.TestCase):
         self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION)
         self.assertIn("busy", details)
         stream.cancel()
-        self.assertTrue(self.s.wait_used_blocks(self.s.used_blocks()))  # the server is still healthy
-        self.assertTrue(st.Complete(greedy(text="still fine", max_tokens=3)).token_ids)
+        self.assertTrue(st.Complete(greedy(text="still fine", max_tokens=3)).token_ids)  # the server is still healthy
 
     def test_chat_messages_and_logprobs(self):
         r = self.stub.Complete(pb.GenerateRequest(
