@@ -53,9 +53,10 @@ class Server:
         self.log_path = self.ready_path + ".log"
         # model="" starts the server without --model (its default resolution).
         model_args = [] if model == "" else ["--model", model or make_model()]
+        defaults = [] if "--threads" in args else ["--threads", "1"]
+        defaults += [] if "--kv-cache-bytes" in args else ["--kv-cache-bytes", "8MiB"]
         cmd = [os.path.join(BIN, "qkvserve"), *model_args, "--listen", "127.0.0.1:0",
-               "--metrics-listen", "127.0.0.1:0", "--ready-file", self.ready_path, "--threads", "1",
-               "--kv-cache-bytes", "8MiB", *args]
+               "--metrics-listen", "127.0.0.1:0", "--ready-file", self.ready_path, *defaults, *args]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
