@@ -89,8 +89,10 @@ int main(int argc, char** argv) {
   bool no_prefix_caching = false;
   app.add_option("--model", model, "GGUF model (default: $QKVSERVE_MODEL, then the bundled model)");
   app.add_option("--tokenizer", tokenizer_file, "Hugging Face tokenizer.json to use instead of the GGUF's (not supported yet)");
-  app.add_option("--listen", listen, "gRPC address; port 0 picks a free port")->capture_default_str();
-  app.add_option("--metrics-listen", metrics_listen, "Prometheus /metrics address; port 0 picks a free port")->capture_default_str();
+  app.add_option("--listen", listen, "gRPC address; port 0 picks a free port")->capture_default_str()->envname("QKVSERVE_LISTEN");
+  app.add_option("--metrics-listen", metrics_listen, "Prometheus /metrics address; port 0 picks a free port")
+      ->capture_default_str()
+      ->envname("QKVSERVE_METRICS_LISTEN");
   app.add_option("--ready-file", ready_file, "write {\"grpc\": ADDR, \"metrics\": ADDR, \"pid\": N} here once ready");
   app.add_option("--threads", threads, "compute threads (default: the number of cores)");
   app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();

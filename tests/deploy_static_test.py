@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Static checks of deploy/: the Kubernetes manifests parse and carry the required fields, compose names
+the services, the nginx config passes `nginx -t` (replica host names replaced by loopback addresses), and
+`docker-compose config` validates the compose file where docker-compose is installed."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+D = os.path.join(ROOT, "deploy")
+fails = []
+passed = [0]
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        fails.append(what)
+    else:
+        passed[0] += 1
+
+
+def load(name):
+    with open(os.path.join(D, "k8s", name)) as f:
+        return yaml.safe_load(f)
+
+
+dep = load("deployment.yaml")
+c = dep["spec"]["template"]["spec"]["containers"][0]
+check(dep["kind"] == "Deployment", "deployment kind")
+check(c["readinessProbe"]["grpc"]["service"] == "qkvserve.v1.Inference", "readiness probes the Inference service")
+check(c["startupProbe"]["grpc"]["service"] == "qkvserve.v1.Inference", "startup probes the Inference service")
+check(c["livenessProbe"]["grpc"]["service"] == "", "liveness probes service \"\"")
+check("memory" in c["resources"]["requests"] and "cpu" in c["resources"]["requests"], "resource requests")
+check(dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 60, "grace period exceeds the drain grace")
+check(load("service.yaml")["kind"] == "Service", "service")
+check(load("pdb.yaml")["spec"]["minAvailable"] >= 1, "pod disruption budget")
+ing = load("ingress.yaml")
+check(ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id", "ingress hashes on x-session-id")
+check("kv-cache-bytes" in load("configmap.yaml")["data"]["qkvserve.ini"], "configmap")
+with open(os.path.join(D, "compose.yaml")) as f:
+    comp = yaml.safe_load(f)
+check({"qkvserve-0", "qkvserve-1", "nginx", "prometheus", "grafana"} <= set(comp["services"]), "compose services")
+nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+if os.path.exists(nginx):
+    tmp = tempfile.mkdtemp()
+    with open(os.path.join(D, "nginx", "nginx.conf")) as f:
+        conf = f.read().replace("qkvserve-0:50051", "127.0.0.1:50051").replace("qkvserve-1:50051", "127.0.0.1:50052")
+    conf = conf.replace("worker_processes 1;", f"worker_processes 1;\npid {tmp}/nginx.pid;\nerror_log {tmp}/error.log;")
+    with open(os.path.join(tmp, "nginx.conf"), "w") as f:
+        f.write(conf)
+    r = subprocess.run([nginx, "-t", "-c", os.path.join(tmp, "nginx.conf"), "-p", tmp], capture_output=True, text=True)
+    check(r.returncode == 0, "nginx -t: " + r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "nginx -t")
+else:
+    check(False, "nginx is installed")
+if shutil.which("docker-compose"):
+    r = subprocess.run(["docker-compose", "-f", os.path.join(D, "compose.yaml"), "config", "-q"], capture_output=True, text=True)
+    check(r.returncode == 0, "docker-compose config " + r.stderr.strip())
+else:
+    print("SKIP docker-compose config: docker-compose is not installed")
+print(f"deploy_static: {passed[0]} passed, {len(fails)} failed")
+sys.exit(1 if fails else 0)
