@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "tests/test_util.h"
 
@@ -327,6 +328,25 @@ TEST_F(EngineTest, RandomizedStress) {
   EXPECT_EQ(engine_->CheckConsistency(), "");
   EXPECT_EQ(engine_->Stats().blocks_used, 0);
   EXPECT_GT(finished_checked, 50);
+}
+
+}  // namespace
+}  // namespace qkv
+
+namespace qkv {
+namespace {
+
+TEST_F(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("", "short", 0.2, 0, {}).ok());
+  ASSERT_TRUE(engine_->CreateSession("", "long", 3600, 0, {}).ok());
+  Run(Greedy(Prompt(20, 1), 2, "short"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // the engine loop wakes at least every 250 ms
+  engine_->RunOnEngineThread([] {});
+  EXPECT_EQ(engine_->GetSession("", "short", false).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(engine_->GetSession("", "long", false).ok());
+  EXPECT_EQ(engine_->Stats().session_evictions_ttl, 1u);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
 }  // namespace

@@ -329,5 +329,29 @@ class NodeClientTest(unittest.TestCase):
             s.stop()
 
 
+class TlsTest(unittest.TestCase):
+    def test_tls(self):
+        import subprocess
+        d = os.path.join(TMP, "tls")
+        os.makedirs(d, exist_ok=True)
+        key, cert = os.path.join(d, "key.pem"), os.path.join(d, "cert.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                        "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        s = Server("--tls-cert", cert, "--tls-key", key)
+        try:
+            with open(cert, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            ch = grpc.secure_channel(s.addr, creds)
+            from harness import rpc
+            r = rpc.InferenceStub(ch).Complete(greedy(text="over TLS", max_tokens=3))
+            self.assertEqual(len(r.token_ids), 3)
+            ch.close()
+            with self.assertRaises(grpc.RpcError):  # plaintext is refused
+                s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+        finally:
+            s.stop()
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
