@@ -30,12 +30,17 @@ for _ in $(seq 120); do
   docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference >/dev/null 2>&1 && break
   sleep 0.5
 done
-docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference | grep -q SERVING || fail "health inside the container"
+h=$(docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference)
+[[ "$h" == *SERVING* ]] || fail "health inside the container"
 [ "$(docker exec "$cid" id -u)" != 0 ] || fail "the container runs as root"
 q=("$bin/qkvctl" --addr 127.0.0.1:$port --json)
-"${q[@]}" generate -p "And God said" -n 8 | grep -q '"completion_tokens":8' || fail "generate"
+g=$("${q[@]}" generate -p "And God said" -n 8)
+[[ "$g" == *'"completion_tokens":8'* ]] || fail "generate: $g"
 "${q[@]}" session create --id d1 >/dev/null || fail "session create"
 "${q[@]}" generate --session d1 -p "In the beginning" -n 4 >/dev/null || fail "turn 1"
-"${q[@]}" generate --session d1 -p " and" -n 4 | grep -q '"cached_tokens":[1-9]' || fail "turn 2 reused no cache"
-curl -sf "http://127.0.0.1:$mport/metrics" | grep -q '^qkvserve_kv_cache_blocks' || fail "/metrics"
+t2=$("${q[@]}" generate --session d1 -p " and" -n 4)
+[[ "$t2" =~ \"cached_tokens\":[1-9] ]] || fail "turn 2 reused no cache: $t2"
+# Captured first: with pipefail, `curl | grep -q` can fail on SIGPIPE when grep stops reading early.
+m=$(curl -sf "http://127.0.0.1:$mport/metrics")
+[[ "$m" == *$'\n'qkvserve_kv_cache_blocks* ]] || fail "/metrics"
 echo "docker_test: 6 passed, 0 failed"
