@@ -12,8 +12,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <regex>
 
+#include "engine/capacity_plan.h"
 #include "server/metrics.h"
 #include "server/service.h"
 
@@ -29,22 +29,6 @@ int Fail(const std::string& msg) {
   spdlog::error("{}", msg);
   std::fprintf(stderr, "qkvserve: %s\n", msg.c_str());
   return 2;
-}
-
-qkv::StatusOr<int64_t> ParseSize(const std::string& s) {
-  static const std::regex re(R"(^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$)", std::regex::icase);
-  std::smatch m;
-  if (!std::regex_match(s, m, re)) return qkv::InvalidArgument("--kv-cache-bytes: cannot parse size '" + s + "' (e.g. 512MiB, 2GiB)");
-  double v = std::stod(m[1]);
-  std::string unit = m[2];
-  for (auto& c : unit) c = static_cast<char>(std::toupper(c));
-  const bool binary = unit.find('I') != std::string::npos;
-  const double base = binary ? 1024.0 : 1000.0;
-  if (!unit.empty() && unit != "B") {
-    const int power = std::string("KMGT").find(unit[0]) + 1;
-    for (int i = 0; i < power; ++i) v *= base;
-  }
-  return static_cast<int64_t>(v);
 }
 
 // Where the default model is looked for, in order: $QKVSERVE_MODEL, the install's share directory next to
@@ -145,8 +129,8 @@ int main(int argc, char** argv) {
   mo.block_size = block_size;
   mo.kv_cache_bytes = qkv::ModelOptions::kAutoKvBytes;
   if (!kv_bytes_s.empty()) {
-    auto b = ParseSize(kv_bytes_s);
-    if (!b.ok()) return Fail(b.status().message());
+    auto b = qkv::ParseByteSize(kv_bytes_s);
+    if (!b.ok()) return Fail("--kv-cache-bytes: " + b.status().message());
     mo.kv_cache_bytes = *b;
   }
   omp_set_num_threads(mo.n_threads);

@@ -31,11 +31,13 @@ void AppendEvent(const StreamEvent& e, const std::vector<int>& prompt_tokens, Re
       top->set_logprob(v);
     }
   }
-  if (!e.prompt_logprobs.empty()) {
-    for (size_t i = 0; i < e.prompt_logprobs.size() && i < prompt_tokens.size(); ++i) {
+  if (!e.prompt_logprobs.empty() && e.prompt_logprobs.size() >= prompt_tokens.size()) {
+    // The engine reports every context position (session history first); return the new prompt's.
+    const size_t offset = e.prompt_logprobs.size() - prompt_tokens.size();
+    for (size_t i = 0; i < prompt_tokens.size(); ++i) {
       auto* p = r->add_prompt_logprobs();
       p->set_token_id(prompt_tokens[i]);
-      if (!std::isnan(e.prompt_logprobs[i])) p->set_logprob(e.prompt_logprobs[i]);
+      if (!std::isnan(e.prompt_logprobs[offset + i])) p->set_logprob(e.prompt_logprobs[offset + i]);
     }
   }
   if (e.final) {
@@ -66,23 +68,21 @@ void FillSession(const SessionInfo& i, pb::Session* s) {
   for (int t : i.tokens) s->add_token_ids(t);
 }
 
+// Authenticates, converts and submits a generation; the prompt tokens are kept for prompt logprobs.
+StatusOr<std::shared_ptr<RequestStream>> StartRequest(InferenceService* svc, grpc::CallbackServerContext* ctx,
+                                                      const pb::GenerateRequest& req, std::vector<int>* prompt) {
+  QKV_ASSIGN_OR_RETURN(std::string ns, svc->Authenticate(ctx));
+  QKV_ASSIGN_OR_RETURN(GenerateParams params, svc->ToParams(req, ns));
+  *prompt = params.prompt;
+  return svc->engine().Submit(std::move(params));
+}
+
 // One streaming Generate: engine events are pumped into gRPC writes, one write in flight at a time.
 // The engine thread wakes the pump through the stream's listener; gRPC wakes it on write completion.
 class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
   GenerateReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req) {
-    auto ns = svc->Authenticate(ctx);
-    if (!ns.ok()) {
-      FinishNow(ToGrpc(ns.status()));
-      return;
-    }
-    auto params = svc->ToParams(*req, *ns);
-    if (!params.ok()) {
-      FinishNow(ToGrpc(params.status()));
-      return;
-    }
-    prompt_ = params->prompt;
-    auto st = svc->engine().Submit(std::move(*params));
+    auto st = StartRequest(svc, ctx, *req, &prompt_);
     if (!st.ok()) {
       FinishNow(ToGrpc(st.status()));
       return;
@@ -171,18 +171,7 @@ class CompleteReactor final : public grpc::ServerUnaryReactor {
   CompleteReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req,
                   pb::CompleteResponse* resp)
       : resp_(resp) {
-    auto ns = svc->Authenticate(ctx);
-    if (!ns.ok()) {
-      Finish(ToGrpc(ns.status()));
-      return;
-    }
-    auto params = svc->ToParams(*req, *ns);
-    if (!params.ok()) {
-      Finish(ToGrpc(params.status()));
-      return;
-    }
-    prompt_ = params->prompt;
-    auto st = svc->engine().Submit(std::move(*params));
+    auto st = StartRequest(svc, ctx, *req, &prompt_);
     if (!st.ok()) {
       Finish(ToGrpc(st.status()));
       return;
