@@ -3,6 +3,7 @@
 // by default, --json for scripts. Calls about a session send its affinity key as the x-session-id header
 // (a session id up to its first '.'; qkvctl names forks "<parent-root>.<suffix>"), so a load balancer
 // that hashes on the header keeps a session and its forks on one replica.
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include <CLI/CLI.hpp>
@@ -12,8 +13,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
-
-#include <google/protobuf/util/json_util.h>
 
 #include "engine/capacity_plan.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -57,34 +56,44 @@ void Prepare(const Common& c, grpc::ClientContext& ctx, const std::string& sessi
   if (!c.api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + c.api_key);
   if (!session.empty()) ctx.AddMetadata("x-session-id", AffinityOf(session));
   if (c.timeout_s > 0) {
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000)));
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000)));
   }
 }
 
 int Report(const grpc::Status& s) {
   if (s.ok()) return 0;
-  std::fprintf(stderr, "qkvctl: %s: %s\n", [&] {
-    switch (s.error_code()) {
-      case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-      case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-      case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-      case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-      case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-      case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-      case grpc::StatusCode::CANCELLED: return "CANCELLED";
-      case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-      case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-      default: return "ERROR";
-    }
-  }(), s.error_message().c_str());
+  std::fprintf(
+      stderr, "qkvctl: %s: %s\n",
+      [&] {
+        switch (s.error_code()) {
+          case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+          case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+          case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+          case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+          case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+          case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+          case grpc::StatusCode::CANCELLED: return "CANCELLED";
+          case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+          case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+          default: return "ERROR";
+        }
+      }(),
+      s.error_message().c_str());
   return 1;
 }
 
 json SessionJson(const pb::Session& s) {
-  json j = {{"session_id", s.session_id()}, {"affinity_key", s.affinity_key()}, {"num_tokens", s.num_tokens()},
-            {"cached_tokens", s.cached_tokens()}, {"resident_bytes", s.resident_bytes()},
-            {"resident_blocks", s.resident_blocks()}, {"state", s.state()}, {"busy", s.busy()},
-            {"ttl_seconds", s.ttl_seconds()}, {"priority", s.priority()}};
+  json j = {{"session_id", s.session_id()},
+            {"affinity_key", s.affinity_key()},
+            {"num_tokens", s.num_tokens()},
+            {"cached_tokens", s.cached_tokens()},
+            {"resident_bytes", s.resident_bytes()},
+            {"resident_blocks", s.resident_blocks()},
+            {"state", s.state()},
+            {"busy", s.busy()},
+            {"ttl_seconds", s.ttl_seconds()},
+            {"priority", s.priority()}};
   if (s.token_ids_size()) j["token_ids"] = std::vector<int>(s.token_ids().begin(), s.token_ids().end());
   return j;
 }
@@ -93,9 +102,10 @@ void PrintSession(const Common& c, const pb::Session& s) {
   if (c.json_out) {
     std::cout << SessionJson(s).dump() << "\n";
   } else {
-    std::printf("%-24s %-8s tokens %-6d cached %-6d resident %lld B (%lld blocks)%s affinity %s\n", s.session_id().c_str(),
-                s.state().c_str(), s.num_tokens(), s.cached_tokens(), static_cast<long long>(s.resident_bytes()),
-                static_cast<long long>(s.resident_blocks()), s.busy() ? " busy" : "", s.affinity_key().c_str());
+    std::printf("%-24s %-8s tokens %-6d cached %-6d resident %lld B (%lld blocks)%s affinity %s\n",
+                s.session_id().c_str(), s.state().c_str(), s.num_tokens(), s.cached_tokens(),
+                static_cast<long long>(s.resident_bytes()), static_cast<long long>(s.resident_blocks()),
+                s.busy() ? " busy" : "", s.affinity_key().c_str());
   }
 }
 
@@ -153,10 +163,15 @@ int Stream(const Common& c, pb::Inference::Stub& stub, const pb::GenerateRequest
     return Report(s);
   }
   if (c.json_out) {
-    std::cout << json{{"request_id", request_id}, {"text", text}, {"token_ids", ids}, {"finish_reason", finish},
+    std::cout << json{{"request_id", request_id},
+                      {"text", text},
+                      {"token_ids", ids},
+                      {"finish_reason", finish},
                       {"stop_reason", stop_reason},
-                      {"usage", {{"prompt_tokens", usage.prompt_tokens()}, {"cached_tokens", usage.cached_tokens()},
-                                 {"completion_tokens", usage.completion_tokens()}}}}
+                      {"usage",
+                       {{"prompt_tokens", usage.prompt_tokens()},
+                        {"cached_tokens", usage.cached_tokens()},
+                        {"completion_tokens", usage.completion_tokens()}}}}
                      .dump(-1, ' ', false, json::error_handler_t::replace)
               << "\n";
   } else if (!reply) {
@@ -245,13 +260,15 @@ int main(int argc, char** argv) {
   auto* cancel = app.add_subcommand("cancel", "cancel a request by id");
   cancel->add_option("request_id", cancel_id)->required();
   std::string health_service;
-  auto* health = app.add_subcommand("health", "check health (exit 0 when SERVING): --service qkvserve.v1.Inference for readiness");
+  auto* health =
+      app.add_subcommand("health", "check health (exit 0 when SERVING): --service qkvserve.v1.Inference for readiness");
   health->add_option("--service", health_service, "service name (\"\" = liveness)");
 
   bool watch = false;
   auto* stats = app.add_subcommand("stats", "KV cache, sessions, requests and memory figures (the same as /metrics)");
   stats->add_flag("--watch", watch, "redraw once a second, like top (Ctrl-C ends)");
-  auto* plan = app.add_subcommand("plan", "offline: KV bytes per token and how many tokens and sessions fit (Hugging Face config.json)");
+  auto* plan = app.add_subcommand(
+      "plan", "offline: KV bytes per token and how many tokens and sessions fit (Hugging Face config.json)");
   std::string plan_config, plan_memory = "16GiB", plan_dtype = "bf16";
   int64_t plan_context = 4096;
   plan->add_option("--config", plan_config, "Hugging Face config.json")->required();
@@ -395,8 +412,10 @@ int main(int argc, char** argv) {
       r.set_session_id(sid);
       pb::CloseSessionResponse resp;
       if (int rc = Report(stub->CloseSession(&ctx, r, &resp))) return rc;
-      if (c.json_out) std::cout << json{{"closed", sid}}.dump() << "\n";
-      else std::printf("closed %s\n", sid.c_str());
+      if (c.json_out)
+        std::cout << json{{"closed", sid}}.dump() << "\n";
+      else
+        std::printf("closed %s\n", sid.c_str());
     }
     return 0;
   }
@@ -416,13 +435,24 @@ int main(int argc, char** argv) {
     Prepare(c, ctx);
     pb::ModelInfo m;
     if (int rc = Report(stub->GetModelInfo(&ctx, pb::GetModelInfoRequest(), &m))) return rc;
-    json j = {{"architecture", m.architecture()}, {"name", m.name()}, {"hidden_size", m.hidden_size()},
-              {"num_layers", m.num_layers()}, {"num_heads", m.num_heads()}, {"num_kv_heads", m.num_kv_heads()},
-              {"head_dim", m.head_dim()}, {"attention", m.attention()}, {"vocab_size", m.vocab_size()},
-              {"kv_bytes_per_token", m.kv_bytes_per_token()}, {"context_length", m.context_length()},
-              {"kv_cache_tokens", m.kv_cache_tokens()}, {"kv_cache_bytes", m.kv_cache_bytes()},
-              {"block_size", m.block_size()}, {"weights_dtype", m.weights_dtype()}, {"kv_dtype", m.kv_dtype()},
-              {"instance_id", m.instance_id()}, {"chat_template", m.chat_template()}};
+    json j = {{"architecture", m.architecture()},
+              {"name", m.name()},
+              {"hidden_size", m.hidden_size()},
+              {"num_layers", m.num_layers()},
+              {"num_heads", m.num_heads()},
+              {"num_kv_heads", m.num_kv_heads()},
+              {"head_dim", m.head_dim()},
+              {"attention", m.attention()},
+              {"vocab_size", m.vocab_size()},
+              {"kv_bytes_per_token", m.kv_bytes_per_token()},
+              {"context_length", m.context_length()},
+              {"kv_cache_tokens", m.kv_cache_tokens()},
+              {"kv_cache_bytes", m.kv_cache_bytes()},
+              {"block_size", m.block_size()},
+              {"weights_dtype", m.weights_dtype()},
+              {"kv_dtype", m.kv_dtype()},
+              {"instance_id", m.instance_id()},
+              {"chat_template", m.chat_template()}};
     if (c.json_out) {
       std::cout << j.dump() << "\n";
     } else {
@@ -459,21 +489,28 @@ int main(int argc, char** argv) {
                     100 * st.kv_cache_usage_ratio(), (long long)st.kv_blocks_used(), (long long)st.kv_blocks_cached(),
                     (long long)st.kv_blocks_free(), (long long)st.kv_blocks_total(), st.kv_block_size_tokens());
         std::printf("          %lld of %lld token slots hold tokens (%lld slack), %.1f of %.1f MiB\n",
-                    (long long)st.kv_tokens_used(), (long long)st.kv_tokens_capacity(), (long long)st.kv_cache_slack_tokens(),
-                    mib(st.kv_bytes_used()), mib(st.kv_bytes_capacity()));
-        std::printf("prefix    %llu of %llu looked-up prompt tokens hit\n", (unsigned long long)st.prefix_cache_hits_tokens_total(),
+                    (long long)st.kv_tokens_used(), (long long)st.kv_tokens_capacity(),
+                    (long long)st.kv_cache_slack_tokens(), mib(st.kv_bytes_used()), mib(st.kv_bytes_capacity()));
+        std::printf("prefix    %llu of %llu looked-up prompt tokens hit\n",
+                    (unsigned long long)st.prefix_cache_hits_tokens_total(),
                     (unsigned long long)st.prefix_cache_queries_tokens_total());
-        std::printf("sessions  %lld resident, %lld evicted, %.1f MiB of KV; evictions memory %llu ttl %llu closed %llu\n",
-                    (long long)st.sessions_resident(), (long long)st.sessions_evicted(), mib(st.session_kv_bytes()),
-                    (unsigned long long)st.session_evictions_memory_total(), (unsigned long long)st.session_evictions_ttl_total(),
-                    (unsigned long long)st.session_evictions_closed_total());
-        std::printf("requests  %lld running, %lld waiting; finished stop %llu length %llu cancelled %llu error %llu; preemptions %llu\n",
-                    (long long)st.requests_running(), (long long)st.requests_waiting(),
-                    (unsigned long long)st.requests_finished_stop_total(), (unsigned long long)st.requests_finished_length_total(),
-                    (unsigned long long)st.requests_finished_cancelled_total(), (unsigned long long)st.requests_finished_error_total(),
-                    (unsigned long long)st.preemptions_total());
-        std::printf("tokens    prompt %llu (cached %llu), generated %llu\n", (unsigned long long)st.prompt_tokens_total(),
-                    (unsigned long long)st.cached_prompt_tokens_total(), (unsigned long long)st.generated_tokens_total());
+        std::printf(
+            "sessions  %lld resident, %lld evicted, %.1f MiB of KV; evictions memory %llu ttl %llu closed %llu\n",
+            (long long)st.sessions_resident(), (long long)st.sessions_evicted(), mib(st.session_kv_bytes()),
+            (unsigned long long)st.session_evictions_memory_total(),
+            (unsigned long long)st.session_evictions_ttl_total(),
+            (unsigned long long)st.session_evictions_closed_total());
+        std::printf(
+            "requests  %lld running, %lld waiting; finished stop %llu length %llu cancelled %llu error %llu; "
+            "preemptions %llu\n",
+            (long long)st.requests_running(), (long long)st.requests_waiting(),
+            (unsigned long long)st.requests_finished_stop_total(),
+            (unsigned long long)st.requests_finished_length_total(),
+            (unsigned long long)st.requests_finished_cancelled_total(),
+            (unsigned long long)st.requests_finished_error_total(), (unsigned long long)st.preemptions_total());
+        std::printf("tokens    prompt %llu (cached %llu), generated %llu\n",
+                    (unsigned long long)st.prompt_tokens_total(), (unsigned long long)st.cached_prompt_tokens_total(),
+                    (unsigned long long)st.generated_tokens_total());
         std::printf("memory    RSS %.1f MiB = weights %.1f + kv arena %.1f + scratch %.1f + heap %.1f + other %.1f\n",
                     mib(st.resident_memory_bytes()), mib(st.memory_weights_bytes()), mib(st.memory_kv_arena_bytes()),
                     mib(st.memory_scratch_bytes()), mib(st.memory_heap_bytes()), mib(st.memory_other_bytes()));
@@ -498,8 +535,10 @@ int main(int argc, char** argv) {
     grpc::health::v1::HealthCheckResponse resp;
     if (int rc = Report(hs->Check(&ctx, r, &resp))) return rc;
     const char* name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str();
-    if (c.json_out) std::cout << json{{"service", health_service}, {"status", name}}.dump() << "\n";
-    else std::printf("%s\n", name);
+    if (c.json_out)
+      std::cout << json{{"service", health_service}, {"status", name}}.dump() << "\n";
+    else
+      std::printf("%s\n", name);
     return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
   }
   return 0;

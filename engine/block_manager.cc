@@ -96,11 +96,13 @@ uint32_t KvBlockPool::Namespace(const std::string& name) {
 std::string KvBlockPool::CheckInvariants() const {
   std::vector<int> seen(meta_.size(), 0);
   for (int b : free_) {
-    if (meta_[b].ref != 0 || meta_[b].hash != 0) return "free block " + std::to_string(b) + " is referenced or registered";
+    if (meta_[b].ref != 0 || meta_[b].hash != 0)
+      return "free block " + std::to_string(b) + " is referenced or registered";
     ++seen[b];
   }
   for (int b : lru_) {
-    if (meta_[b].ref != 0 || meta_[b].hash == 0 || !meta_[b].in_lru) return "cached block " + std::to_string(b) + " is inconsistent";
+    if (meta_[b].ref != 0 || meta_[b].hash == 0 || !meta_[b].in_lru)
+      return "cached block " + std::to_string(b) + " is inconsistent";
     ++seen[b];
   }
   for (size_t b = 0; b < meta_.size(); ++b) {

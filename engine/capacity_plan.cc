@@ -44,9 +44,12 @@ StatusOr<CapacityPlan> PlanCapacity(const std::string& config_json, int64_t memo
   if (j.contains("layer_types") && j["layer_types"].is_array()) {
     for (const auto& t : j["layer_types"]) {
       const std::string s = t.is_string() ? t.get<std::string>() : "";
-      if (s == "sliding_attention") ++p.sliding_layers;
-      else if (s == "linear_attention") ++p.linear_layers;
-      else ++p.full_layers;
+      if (s == "sliding_attention")
+        ++p.sliding_layers;
+      else if (s == "linear_attention")
+        ++p.linear_layers;
+      else
+        ++p.full_layers;
     }
   } else if (geti("full_attention_interval", 0) > 0) {
     const int64_t k = geti("full_attention_interval", 1);
@@ -55,7 +58,8 @@ StatusOr<CapacityPlan> PlanCapacity(const std::string& config_json, int64_t memo
     p.full_layers = static_cast<int>(layers);
   }
   p.sliding_window = geti("sliding_window", 0);
-  if (p.sliding_layers > 0 && p.sliding_window <= 0) return InvalidArgument("config: sliding layers need sliding_window");
+  if (p.sliding_layers > 0 && p.sliding_window <= 0)
+    return InvalidArgument("config: sliding layers need sliding_window");
   if (j.contains("kv_lora_rank") && j["kv_lora_rank"].is_number_integer()) {
     p.mla = true;
     const int64_t per_layer = geti("kv_lora_rank", 0) + geti("qk_rope_head_dim", 0);
@@ -67,23 +71,31 @@ StatusOr<CapacityPlan> PlanCapacity(const std::string& config_json, int64_t memo
     p.sliding_bytes_per_token = p.sliding_layers * per_layer;
   }
   if (p.linear_layers > 0) {  // Qwen3-Next-style gated delta-net state, when described
-    const int64_t vh = geti("linear_num_value_heads", 0), dk = geti("linear_key_head_dim", 0), dv = geti("linear_value_head_dim", 0);
+    const int64_t vh = geti("linear_num_value_heads", 0), dk = geti("linear_key_head_dim", 0),
+                  dv = geti("linear_value_head_dim", 0);
     p.linear_state_bytes = p.linear_layers * vh * dk * dv * bytes_per_element;
   }
-  p.bytes_per_session = p.kv_bytes_per_token * context + p.sliding_bytes_per_token * std::min(context, p.sliding_window) +
-                        p.linear_state_bytes;
+  p.bytes_per_session = p.kv_bytes_per_token * context +
+                        p.sliding_bytes_per_token * std::min(context, p.sliding_window) + p.linear_state_bytes;
   p.tokens_fit = p.kv_bytes_per_token > 0 ? memory_bytes / p.kv_bytes_per_token : 0;
   p.sessions_fit = p.bytes_per_session > 0 ? memory_bytes / p.bytes_per_session : 0;
   return p;
 }
 
 std::string CapacityPlan::ToJson() const {
-  return nlohmann::json{{"kv_bytes_per_token", kv_bytes_per_token}, {"sliding_bytes_per_token", sliding_bytes_per_token},
-                        {"sliding_window", sliding_window}, {"full_attention_layers", full_layers},
-                        {"sliding_attention_layers", sliding_layers}, {"linear_attention_layers", linear_layers},
-                        {"mla", mla}, {"linear_state_bytes_per_session", linear_state_bytes},
-                        {"memory_bytes", memory_bytes}, {"context", context}, {"bytes_per_session", bytes_per_session},
-                        {"tokens_fit", tokens_fit}, {"sessions_fit", sessions_fit}}
+  return nlohmann::json{{"kv_bytes_per_token", kv_bytes_per_token},
+                        {"sliding_bytes_per_token", sliding_bytes_per_token},
+                        {"sliding_window", sliding_window},
+                        {"full_attention_layers", full_layers},
+                        {"sliding_attention_layers", sliding_layers},
+                        {"linear_attention_layers", linear_layers},
+                        {"mla", mla},
+                        {"linear_state_bytes_per_session", linear_state_bytes},
+                        {"memory_bytes", memory_bytes},
+                        {"context", context},
+                        {"bytes_per_session", bytes_per_session},
+                        {"tokens_fit", tokens_fit},
+                        {"sessions_fit", sessions_fit}}
       .dump();
 }
 
@@ -95,7 +107,8 @@ std::string CapacityPlan::ToText() const {
     o << "sliding layers:      " << sliding_layers << " x window " << sliding_window << " (" << sliding_bytes_per_token
       << " B per token up to the window)\n";
   }
-  if (linear_layers) o << "linear layers:       " << linear_layers << " (fixed state " << linear_state_bytes << " B per sequence)\n";
+  if (linear_layers)
+    o << "linear layers:       " << linear_layers << " (fixed state " << linear_state_bytes << " B per sequence)\n";
   o << "memory:              " << memory_bytes << " B\n"
     << "tokens that fit:     " << tokens_fit << "\n"
     << "sessions of " << context << ": " << sessions_fit << " (" << bytes_per_session << " B each)\n";

@@ -14,8 +14,8 @@
 namespace qkv {
 
 struct CapacityPlan {
-  int64_t kv_bytes_per_token = 0;          // full-attention (or MLA) layers, per token
-  int64_t sliding_bytes_per_token = 0;     // sliding layers, per token up to the window
+  int64_t kv_bytes_per_token = 0;       // full-attention (or MLA) layers, per token
+  int64_t sliding_bytes_per_token = 0;  // sliding layers, per token up to the window
   int64_t sliding_window = 0;
   int full_layers = 0, sliding_layers = 0, linear_layers = 0;
   bool mla = false;

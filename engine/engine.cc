@@ -138,76 +138,80 @@ Session* Engine::FindSession(const std::string& ns, const std::string& id) {
 
 StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(GenerateParams p) {
   if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
-  return Call<StatusOr<std::shared_ptr<RequestStream>>>([this, p = std::move(p)]() mutable -> StatusOr<std::shared_ptr<RequestStream>> {
-    if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
-    QKV_RETURN_IF_ERROR(p.sampling.Validate());
-    if (p.prompt.empty()) return InvalidArgument("prompt is empty");
-    QKV_RETURN_IF_ERROR(ValidateTokens(p.prompt, "prompt"));
-    QKV_RETURN_IF_ERROR(ValidateTokens(p.stop_token_ids, "stop_token_ids"));
-    if (p.max_tokens == 0 || p.max_tokens < -1) return InvalidArgument("max_tokens must be at least 1");
-    if (p.logprobs < 0 || p.logprobs > 20) return InvalidArgument("logprobs must be in 0..20");
-    if (p.request_id.empty()) p.request_id = "req-" + std::to_string(next_seq_id_);
-    QKV_RETURN_IF_ERROR(ValidateId(p.request_id, "request_id"));
-    if (by_request_id_.count({p.ns, p.request_id})) {
-      return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
-    }
-    if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) {
-      return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
-    }
-    Session* session = nullptr;
-    if (!p.session_id.empty()) {
-      session = FindSession(p.ns, p.session_id);
-      if (!session) return NotFound("session '" + p.session_id + "' not found");
-      if (session->busy) {
-        return FailedPrecondition("session '" + p.session_id + "' is busy with another request; wait for it or cancel it");
-      }
-    }
-    const int max_ctx = model_.max_context();
-    const int history = session ? static_cast<int>(session->ctx.tokens.size()) : 0;
-    const int ctx_len = history + static_cast<int>(p.prompt.size());
-    int max_tokens = p.max_tokens;
-    if (max_tokens == -1) max_tokens = std::min(opt_.default_max_tokens, max_ctx - ctx_len);
-    if (ctx_len + max_tokens > max_ctx || max_tokens < 1) {
-      return InvalidArgument("context overflow: " + std::string(session ? "session history (" + std::to_string(history) + ") + " : "") +
-                             "prompt (" + std::to_string(p.prompt.size()) + ") + max_tokens (" + std::to_string(std::max(max_tokens, 1)) +
-                             ") exceeds the context of " + std::to_string(max_ctx) + " tokens" +
-                             (session ? "; truncate the session (TruncateSession) or start a new one" : ""));
-    }
-    const int B = model_.options().block_size;
-    if ((ctx_len + max_tokens + B - 1) / B > model_.blocks().total_blocks()) {
-      return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
-                               " tokens of KV cache, more than the whole cache holds (" +
-                               std::to_string(model_.blocks().total_blocks() * B) + ")");
-    }
-    auto s = std::make_unique<Sequence>();
-    s->id = next_seq_id_++;
-    s->ns_id = model_.blocks().Namespace(p.ns);
-    s->max_tokens = max_tokens;
-    s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
-    if (session) {
-      s->session = session;
-      s->session_tokens_before = session->ctx.tokens;
-      s->session_kv_before = session->ctx.kv.n_tokens;
-      s->ctx = std::move(session->ctx);
-      session->ctx = {};
-      session->busy = true;
-      session->last_used = Clock::now();
-    }
-    s->ctx.tokens.insert(s->ctx.tokens.end(), p.prompt.begin(), p.prompt.end());
-    s->n_prompt = ctx_len;
-    s->n_cached = s->ctx.kv.n_tokens;
-    s->sampler = std::make_unique<Sampler>(p.sampling, s->ctx.tokens);
-    s->text = std::make_unique<TextStream>(p.stop, p.include_stop_str_in_output);
-    s->stream = std::make_shared<RequestStream>(p.request_id);
-    s->submitted = Clock::now();
-    if (p.prompt_logprobs) s->prompt_logprobs.assign(ctx_len, NAN);
-    s->params = std::move(p);
-    by_request_id_[{s->params.ns, s->params.request_id}] = s->id;
-    waiting_.push_back(s.get());
-    auto stream = s->stream;
-    seqs_[s->id] = std::move(s);
-    return stream;
-  });
+  return Call<StatusOr<std::shared_ptr<RequestStream>>>(
+      [this, p = std::move(p)]() mutable -> StatusOr<std::shared_ptr<RequestStream>> {
+        if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
+        QKV_RETURN_IF_ERROR(p.sampling.Validate());
+        if (p.prompt.empty()) return InvalidArgument("prompt is empty");
+        QKV_RETURN_IF_ERROR(ValidateTokens(p.prompt, "prompt"));
+        QKV_RETURN_IF_ERROR(ValidateTokens(p.stop_token_ids, "stop_token_ids"));
+        if (p.max_tokens == 0 || p.max_tokens < -1) return InvalidArgument("max_tokens must be at least 1");
+        if (p.logprobs < 0 || p.logprobs > 20) return InvalidArgument("logprobs must be in 0..20");
+        if (p.request_id.empty()) p.request_id = "req-" + std::to_string(next_seq_id_);
+        QKV_RETURN_IF_ERROR(ValidateId(p.request_id, "request_id"));
+        if (by_request_id_.count({p.ns, p.request_id})) {
+          return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
+        }
+        if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) {
+          return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
+        }
+        Session* session = nullptr;
+        if (!p.session_id.empty()) {
+          session = FindSession(p.ns, p.session_id);
+          if (!session) return NotFound("session '" + p.session_id + "' not found");
+          if (session->busy) {
+            return FailedPrecondition("session '" + p.session_id +
+                                      "' is busy with another request; wait for it or cancel it");
+          }
+        }
+        const int max_ctx = model_.max_context();
+        const int history = session ? static_cast<int>(session->ctx.tokens.size()) : 0;
+        const int ctx_len = history + static_cast<int>(p.prompt.size());
+        int max_tokens = p.max_tokens;
+        if (max_tokens == -1) max_tokens = std::min(opt_.default_max_tokens, max_ctx - ctx_len);
+        if (ctx_len + max_tokens > max_ctx || max_tokens < 1) {
+          return InvalidArgument("context overflow: " +
+                                 std::string(session ? "session history (" + std::to_string(history) + ") + " : "") +
+                                 "prompt (" + std::to_string(p.prompt.size()) + ") + max_tokens (" +
+                                 std::to_string(std::max(max_tokens, 1)) + ") exceeds the context of " +
+                                 std::to_string(max_ctx) + " tokens" +
+                                 (session ? "; truncate the session (TruncateSession) or start a new one" : ""));
+        }
+        const int B = model_.options().block_size;
+        if ((ctx_len + max_tokens + B - 1) / B > model_.blocks().total_blocks()) {
+          return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
+                                   " tokens of KV cache, more than the whole cache holds (" +
+                                   std::to_string(model_.blocks().total_blocks() * B) + ")");
+        }
+        auto s = std::make_unique<Sequence>();
+        s->id = next_seq_id_++;
+        s->ns_id = model_.blocks().Namespace(p.ns);
+        s->max_tokens = max_tokens;
+        s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
+        if (session) {
+          s->session = session;
+          s->session_tokens_before = session->ctx.tokens;
+          s->session_kv_before = session->ctx.kv.n_tokens;
+          s->ctx = std::move(session->ctx);
+          session->ctx = {};
+          session->busy = true;
+          session->last_used = Clock::now();
+        }
+        s->ctx.tokens.insert(s->ctx.tokens.end(), p.prompt.begin(), p.prompt.end());
+        s->n_prompt = ctx_len;
+        s->n_cached = s->ctx.kv.n_tokens;
+        s->sampler = std::make_unique<Sampler>(p.sampling, s->ctx.tokens);
+        s->text = std::make_unique<TextStream>(p.stop, p.include_stop_str_in_output);
+        s->stream = std::make_shared<RequestStream>(p.request_id);
+        s->submitted = Clock::now();
+        if (p.prompt_logprobs) s->prompt_logprobs.assign(ctx_len, NAN);
+        s->params = std::move(p);
+        by_request_id_[{s->params.ns, s->params.request_id}] = s->id;
+        waiting_.push_back(s.get());
+        auto stream = s->stream;
+        seqs_[s->id] = std::move(s);
+        return stream;
+      });
 }
 
 void Engine::Cancel(const std::string& ns, const std::string& request_id) {
@@ -267,7 +271,8 @@ bool Engine::EvictIdleSession() {
   Session* victim = nullptr;
   for (auto& [key, s] : sessions_) {
     if (s->busy || s->ctx.kv.blocks.empty()) continue;
-    if (!victim || s->priority < victim->priority || (s->priority == victim->priority && s->last_used < victim->last_used)) {
+    if (!victim || s->priority < victim->priority ||
+        (s->priority == victim->priority && s->last_used < victim->last_used)) {
       victim = s.get();
     }
   }
@@ -322,14 +327,16 @@ void Engine::Step() {
       s->scheduled_once = true;
       s->first_scheduled = now;
     }
-    batch.push_back({&s->ctx.kv, std::span<const int>(s->ctx.tokens.data() + s->ctx.kv.n_tokens, c.n_tokens), c.all_logits});
+    batch.push_back(
+        {&s->ctx.kv, std::span<const int>(s->ctx.tokens.data() + s->ctx.kv.n_tokens, c.n_tokens), c.all_logits});
   }
   std::vector<int> starts;
   for (const ScheduledChunk& c : plan.chunks) starts.push_back(c.seq->ctx.kv.n_tokens);
   const Status st = model_.Forward(batch);
   if (!st.ok()) {
     spdlog::error("forward pass failed: {}", st.ToString());
-    for (const ScheduledChunk& c : plan.chunks) Finish(c.seq, FinishReason::kError, "", Internal("forward pass failed: " + st.message()));
+    for (const ScheduledChunk& c : plan.chunks)
+      Finish(c.seq, FinishReason::kError, "", Internal("forward pass failed: " + st.message()));
     return;
   }
   const int V = model_.config().vocab;
@@ -367,7 +374,8 @@ void Engine::Step() {
         std::vector<int> idx(V);
         for (int i = 0; i < V; ++i) idx[i] = i;
         const int k = std::min(V, s->params.logprobs);
-        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) { return last[a] > last[b] || (last[a] == last[b] && a < b); });
+        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                          [&](int a, int b) { return last[a] > last[b] || (last[a] == last[b] && a < b); });
         for (int i = 0; i < k; ++i) lp.top.emplace_back(idx[i], last[idx[i]] - m - lse);
       }
       e.logprobs.push_back(std::move(lp));
@@ -387,7 +395,8 @@ void Engine::Step() {
     e.token_ids.push_back(next);
     FinishReason reason = FinishReason::kNone;
     std::string stop_reason;
-    const bool is_stop_token = std::find(s->params.stop_token_ids.begin(), s->params.stop_token_ids.end(), next) != s->params.stop_token_ids.end();
+    const bool is_stop_token = std::find(s->params.stop_token_ids.begin(), s->params.stop_token_ids.end(), next) !=
+                               s->params.stop_token_ids.end();
     if (!s->params.ignore_eos && next == tok.eos_id()) {
       reason = FinishReason::kStop;
       stop_reason = "eos";
@@ -439,8 +448,8 @@ StatusOr<SessionInfo> Engine::CreateSession(const std::string& ns, const std::st
     if (!(ttl_s >= 0)) return InvalidArgument("ttl must not be negative");
     QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_tokens"));
     if (static_cast<int>(initial_tokens.size()) >= model_.max_context()) {
-      return InvalidArgument("initial_tokens (" + std::to_string(initial_tokens.size()) + ") must be shorter than the context of " +
-                             std::to_string(model_.max_context()));
+      return InvalidArgument("initial_tokens (" + std::to_string(initial_tokens.size()) +
+                             ") must be shorter than the context of " + std::to_string(model_.max_context()));
     }
     if (sessions_.count({ns, id})) return Status(StatusCode::kAlreadyExists, "session '" + id + "' already exists");
     if (static_cast<int>(sessions_.size()) >= opt_.max_sessions) return ResourceExhausted("too many sessions");
@@ -492,7 +501,8 @@ StatusOr<SessionInfo> Engine::ForkSession(const std::string& ns, const std::stri
     Session* p = FindSession(ns, parent);
     if (!p) return NotFound("session '" + parent + "' not found");
     if (p->busy) return FailedPrecondition("session '" + parent + "' is busy with another request");
-    if (sessions_.count({ns, child})) return Status(StatusCode::kAlreadyExists, "session '" + child + "' already exists");
+    if (sessions_.count({ns, child}))
+      return Status(StatusCode::kAlreadyExists, "session '" + child + "' already exists");
     auto s = std::make_unique<Session>();
     s->id = child;
     s->ns = ns;
@@ -515,7 +525,8 @@ StatusOr<SessionInfo> Engine::TruncateSession(const std::string& ns, const std::
     if (!s) return NotFound("session '" + id + "' not found");
     if (s->busy) return FailedPrecondition("session '" + id + "' is busy with another request");
     if (n_tokens < 0 || n_tokens > static_cast<int>(s->ctx.tokens.size())) {
-      return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) + " (the session's length)");
+      return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) +
+                             " (the session's length)");
     }
     TruncateCached(s->ctx, n_tokens, model_.blocks());
     s->last_used = Clock::now();
@@ -527,7 +538,8 @@ Status Engine::CloseSession(const std::string& ns, const std::string& id) {
   return Call<Status>([&]() -> Status {
     auto it = sessions_.find({ns, id});
     if (it == sessions_.end()) return NotFound("session '" + id + "' not found");
-    if (it->second->busy) return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
+    if (it->second->busy)
+      return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
     ReleaseBlocks(it->second->ctx.kv, model_.blocks());
     sessions_.erase(it);
     ++counters_.session_evictions_closed;
@@ -559,7 +571,10 @@ void Engine::PublishStats() {
   for (const auto& [key, ss] : sessions_) {
     account(ss->ctx.kv);
     session_blocks += static_cast<int64_t>(ss->ctx.kv.blocks.size());
-    if (ss->evicted()) ++s.sessions_evicted; else ++s.sessions_resident;
+    if (ss->evicted())
+      ++s.sessions_evicted;
+    else
+      ++s.sessions_resident;
   }
   for (size_t b = 0; b < filled.size(); ++b) {
     if (pool.ref_count(static_cast<int>(b)) > 0) s.tokens_used += filled[b];

@@ -50,10 +50,17 @@ class Cursor {
 
 uint64_t ScalarSize(GgufType t) {
   switch (t) {
-    case GgufType::kU8: case GgufType::kI8: case GgufType::kBool: return 1;
-    case GgufType::kU16: case GgufType::kI16: return 2;
-    case GgufType::kU32: case GgufType::kI32: case GgufType::kF32: return 4;
-    case GgufType::kU64: case GgufType::kI64: case GgufType::kF64: return 8;
+    case GgufType::kU8:
+    case GgufType::kI8:
+    case GgufType::kBool: return 1;
+    case GgufType::kU16:
+    case GgufType::kI16: return 2;
+    case GgufType::kU32:
+    case GgufType::kI32:
+    case GgufType::kF32: return 4;
+    case GgufType::kU64:
+    case GgufType::kI64:
+    case GgufType::kF64: return 8;
     case GgufType::kString: return 8;  // at least the length prefix
     case GgufType::kArray: return 12;  // at least type + count
   }
@@ -68,30 +75,84 @@ Status ReadValue(Cursor& c, GgufType type, GgufValue* v, int depth, const std::s
     return DataLoss("gguf: metadata '" + key + "': " + what + " at byte " + std::to_string(c.pos()));
   };
   switch (type) {
-    case GgufType::kU8: { uint8_t x; if (!c.Read(&x)) return fail("truncated"); v->u = x; v->i = x; return {}; }
-    case GgufType::kI8: { int8_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
-    case GgufType::kU16: { uint16_t x; if (!c.Read(&x)) return fail("truncated"); v->u = x; v->i = x; return {}; }
-    case GgufType::kI16: { int16_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
-    case GgufType::kU32: { uint32_t x; if (!c.Read(&x)) return fail("truncated"); v->u = x; v->i = x; return {}; }
-    case GgufType::kI32: { int32_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
+    case GgufType::kU8: {
+      uint8_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->u = x;
+      v->i = x;
+      return {};
+    }
+    case GgufType::kI8: {
+      int8_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->i = x;
+      return {};
+    }
+    case GgufType::kU16: {
+      uint16_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->u = x;
+      v->i = x;
+      return {};
+    }
+    case GgufType::kI16: {
+      int16_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->i = x;
+      return {};
+    }
+    case GgufType::kU32: {
+      uint32_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->u = x;
+      v->i = x;
+      return {};
+    }
+    case GgufType::kI32: {
+      int32_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->i = x;
+      return {};
+    }
     case GgufType::kU64: {
-      uint64_t x; if (!c.Read(&x)) return fail("truncated");
+      uint64_t x;
+      if (!c.Read(&x)) return fail("truncated");
       v->u = x;
       v->i = x > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? -1 : static_cast<int64_t>(x);
       return {};
     }
-    case GgufType::kI64: { int64_t x; if (!c.Read(&x)) return fail("truncated"); v->i = x; return {}; }
-    case GgufType::kF32: { float x; if (!c.Read(&x)) return fail("truncated"); v->f = x; return {}; }
-    case GgufType::kF64: { double x; if (!c.Read(&x)) return fail("truncated"); v->f = x; return {}; }
-    case GgufType::kBool: {
-      uint8_t x; if (!c.Read(&x)) return fail("truncated");
-      if (x > 1) return fail("bool is neither 0 nor 1");
-      v->u = x; return {};
+    case GgufType::kI64: {
+      int64_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->i = x;
+      return {};
     }
-    case GgufType::kString: if (!c.ReadString(&v->s)) return fail("bad or truncated string"); return {};
+    case GgufType::kF32: {
+      float x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->f = x;
+      return {};
+    }
+    case GgufType::kF64: {
+      double x;
+      if (!c.Read(&x)) return fail("truncated");
+      v->f = x;
+      return {};
+    }
+    case GgufType::kBool: {
+      uint8_t x;
+      if (!c.Read(&x)) return fail("truncated");
+      if (x > 1) return fail("bool is neither 0 nor 1");
+      v->u = x;
+      return {};
+    }
+    case GgufType::kString:
+      if (!c.ReadString(&v->s)) return fail("bad or truncated string");
+      return {};
     case GgufType::kArray: {
       if (depth >= kMaxArrayDepth) return fail("arrays nested too deeply");
-      uint32_t et; uint64_t n;
+      uint32_t et;
+      uint64_t n;
       if (!c.Read(&et) || !c.Read(&n)) return fail("truncated array header");
       if (!ValidType(et)) return fail("unknown array element type");
       const auto etype = static_cast<GgufType>(et);
@@ -122,7 +183,8 @@ uint64_t GgmlBlockSize(GgmlType t) { return t == GgmlType::kQ8_0 ? 32 : 1; }
 uint64_t GgmlRowBytes(GgmlType t, uint64_t n) {
   switch (t) {
     case GgmlType::kF32: return n * 4;
-    case GgmlType::kF16: case GgmlType::kBF16: return n * 2;
+    case GgmlType::kF16:
+    case GgmlType::kBF16: return n * 2;
     case GgmlType::kQ8_0: return n / 32 * 34;
   }
   return 0;
@@ -130,8 +192,14 @@ uint64_t GgmlRowBytes(GgmlType t, uint64_t n) {
 
 bool GgufValue::is_integer() const {
   switch (type) {
-    case GgufType::kU8: case GgufType::kI8: case GgufType::kU16: case GgufType::kI16:
-    case GgufType::kU32: case GgufType::kI32: case GgufType::kU64: case GgufType::kI64: return true;
+    case GgufType::kU8:
+    case GgufType::kI8:
+    case GgufType::kU16:
+    case GgufType::kI16:
+    case GgufType::kU32:
+    case GgufType::kI32:
+    case GgufType::kU64:
+    case GgufType::kI64: return true;
     default: return false;
   }
 }
@@ -191,8 +259,10 @@ Status GgufFile::ParseImpl() {
   uint64_t n_tensors, n_kv;
   if (!c.Read(&n_tensors) || !c.Read(&n_kv)) return DataLoss("gguf: truncated header");
   // Each key/value needs >= 8 (key length) + 4 (type) + 1 bytes; each tensor info >= 8 + 4 + 4 + 8.
-  if (n_kv > c.remaining() / 13) return DataLoss("gguf: metadata count " + std::to_string(n_kv) + " is absurd for the file size");
-  if (n_tensors > c.remaining() / 24) return DataLoss("gguf: tensor count " + std::to_string(n_tensors) + " is absurd for the file size");
+  if (n_kv > c.remaining() / 13)
+    return DataLoss("gguf: metadata count " + std::to_string(n_kv) + " is absurd for the file size");
+  if (n_tensors > c.remaining() / 24)
+    return DataLoss("gguf: tensor count " + std::to_string(n_tensors) + " is absurd for the file size");
 
   for (uint64_t k = 0; k < n_kv; ++k) {
     std::string key;

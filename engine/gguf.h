@@ -22,8 +22,19 @@
 namespace qkv {
 
 enum class GgufType : uint32_t {
-  kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7,
-  kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,
+  kU8 = 0,
+  kI8 = 1,
+  kU16 = 2,
+  kI16 = 3,
+  kU32 = 4,
+  kI32 = 5,
+  kF32 = 6,
+  kBool = 7,
+  kString = 8,
+  kArray = 9,
+  kU64 = 10,
+  kI64 = 11,
+  kF64 = 12,
 };
 
 enum class GgmlType : uint32_t { kF32 = 0, kF16 = 1, kQ8_0 = 8, kBF16 = 30 };
@@ -38,10 +49,10 @@ uint64_t GgmlBlockSize(GgmlType t);
 // `array` with `array_type` giving the element kind.
 struct GgufValue {
   GgufType type = GgufType::kU32;
-  uint64_t u = 0;   // unsigned integers and bool
-  int64_t i = 0;    // signed integers (unsigned ones are mirrored here when they fit)
-  double f = 0;     // floats
-  std::string s;    // strings
+  uint64_t u = 0;  // unsigned integers and bool
+  int64_t i = 0;   // signed integers (unsigned ones are mirrored here when they fit)
+  double f = 0;    // floats
+  std::string s;   // strings
   GgufType array_type = GgufType::kU32;
   std::vector<GgufValue> array;
 
@@ -111,8 +122,7 @@ class GgufWriter {
   void SetStringArray(const std::string& key, const std::vector<std::string>& v);
   void SetI32Array(const std::string& key, const std::vector<int32_t>& v);
   // Adds a tensor; `ne` is ggml order (fastest first) and `data` must hold exactly its bytes.
-  void AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne,
-                 std::vector<uint8_t> data);
+  void AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, std::vector<uint8_t> data);
   std::vector<uint8_t> Serialize() const;
   Status WriteFile(const std::string& path) const;
 

@@ -96,9 +96,9 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   }
   QKV_ASSIGN_OR_RETURN(m->kv_, KvCache::Create(ks));
   m->pool_ = std::make_unique<KvBlockPool>(ks.n_blocks, opt.block_size);
-  spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks, ks.block_size,
-               ks.n_blocks * ks.block_size, static_cast<double>(m->kv_->arena_bytes()) / (1 << 20), ks.bytes_per_token(),
-               DTypeName(ks.dtype));
+  spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks,
+               ks.block_size, ks.n_blocks * ks.block_size, static_cast<double>(m->kv_->arena_bytes()) / (1 << 20),
+               ks.bytes_per_token(), DTypeName(ks.dtype));
   m->rope_ = std::make_unique<RopeTable>(c.rotary_dim, c.rope_theta, m->max_ctx_);
 
   // Scratch for the largest batch.
@@ -192,7 +192,8 @@ Status Model::LoadWeights(const GgufFile& f) {
     }
     append_rows(wk, bk, 0, c.kv_dim());
     append_rows(wv, bv, 0, c.kv_dim());
-    QKV_ASSIGN_OR_RETURN(L.qkv, make_linear(w, c.attention_bias ? b.data() : nullptr, q_rows + 2 * c.kv_dim(), c.hidden));
+    QKV_ASSIGN_OR_RETURN(L.qkv,
+                         make_linear(w, c.attention_bias ? b.data() : nullptr, q_rows + 2 * c.kv_dim(), c.hidden));
     QKV_ASSIGN_OR_RETURN(auto wo, ReadTensor(f, p + "attn_output.weight", {static_cast<uint64_t>(c.q_dim()), H}));
     QKV_ASSIGN_OR_RETURN(L.o, make_linear(wo, nullptr, c.hidden, c.q_dim()));
     const auto F = static_cast<uint64_t>(c.ffn);
@@ -212,7 +213,8 @@ Status Model::LoadWeights(const GgufFile& f) {
 
 size_t Model::scratch_bytes() const {
   size_t n = 0;
-  for (const auto* v : {&x_, &h_, &qkv_, &attn_, &tmp_, &gu_, &act_, &logits_, &attn_scratch_}) n += v->capacity() * sizeof(float);
+  for (const auto* v : {&x_, &h_, &qkv_, &attn_, &tmp_, &gu_, &act_, &logits_, &attn_scratch_})
+    n += v->capacity() * sizeof(float);
   n += in_lp_.capacity() * sizeof(uint16_t);
   return n + rt_->scratch_bytes();
 }
@@ -264,7 +266,8 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
       return FailedPrecondition("forward: KV blocks not reserved for the chunk");
     }
     for (int t : ch.tokens) {
-      if (t < 0 || t >= c.vocab) return InvalidArgument("forward: token id " + std::to_string(t) + " out of vocabulary");
+      if (t < 0 || t >= c.vocab)
+        return InvalidArgument("forward: token id " + std::to_string(t) + " out of vocabulary");
     }
     if (T + static_cast<int>(ch.tokens.size()) > opt_.max_batch_tokens) {
       return InvalidArgument("forward: batch exceeds " + std::to_string(opt_.max_batch_tokens) + " tokens");
@@ -308,7 +311,8 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer& L = layers_[l];
 #pragma omp parallel for num_threads(nthr) if (T > 1)
-    for (int t = 0; t < T; ++t) RmsNorm(&x_[static_cast<size_t>(t) * H], L.attn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
+    for (int t = 0; t < T; ++t)
+      RmsNorm(&x_[static_cast<size_t>(t) * H], L.attn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
     ToComputeInput(h_.data(), T, H);
     timer.Mark(pf.norms);
     L.qkv->Forward(ComputeInput(h_.data()), T, qkv_.data());
@@ -358,7 +362,8 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
     timer.Mark(pf.o);
 
 #pragma omp parallel for num_threads(nthr) if (T > 1)
-    for (int t = 0; t < T; ++t) RmsNorm(&x_[static_cast<size_t>(t) * H], L.ffn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
+    for (int t = 0; t < T; ++t)
+      RmsNorm(&x_[static_cast<size_t>(t) * H], L.ffn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
     ToComputeInput(h_.data(), T, H);
     timer.Mark(pf.norms);
     L.gate_up->Forward(ComputeInput(h_.data()), T, gu_.data());

@@ -74,11 +74,16 @@ class Model {
 
   // Seconds spent per part of Forward since the last reset (only while profiling is on).
   struct Profile {
-    double embed = 0, norms = 0, qkv = 0, rope_store = 0, attention = 0, o = 0, ffn_up = 0, ffn_act = 0,
-           ffn_down = 0, lm_head = 0;
-    double total() const { return embed + norms + qkv + rope_store + attention + o + ffn_up + ffn_act + ffn_down + lm_head; }
+    double embed = 0, norms = 0, qkv = 0, rope_store = 0, attention = 0, o = 0, ffn_up = 0, ffn_act = 0, ffn_down = 0,
+           lm_head = 0;
+    double total() const {
+      return embed + norms + qkv + rope_store + attention + o + ffn_up + ffn_act + ffn_down + lm_head;
+    }
   };
-  void set_profiling(bool on) { profiling_ = on; profile_ = {}; }
+  void set_profiling(bool on) {
+    profiling_ = on;
+    profile_ = {};
+  }
   const Profile& profile() const { return profile_; }
   int logits_rows() const { return logits_rows_; }
 
@@ -101,7 +106,7 @@ class Model {
   std::unique_ptr<KvBlockPool> pool_;
   std::unique_ptr<RopeTable> rope_;
   std::vector<Layer> layers_;
-  std::vector<float> embed_f32_;     // [vocab][hidden] when weights are f32
+  std::vector<float> embed_f32_;      // [vocab][hidden] when weights are f32
   std::vector<uint16_t> embed_bf16_;  // [vocab][hidden] when weights are bf16
   std::vector<float> final_norm_;
   std::unique_ptr<Linear> lm_head_;

@@ -16,7 +16,10 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
   GgufWriter w;
   cfg.ToGguf(w);
   w.SetString("general.name", std::string("qkvserve random ") + ArchName(cfg.arch));
-  w.SetU32("general.file_type", opt.dtype == GgmlType::kF32 ? 0 : opt.dtype == GgmlType::kF16 ? 1 : opt.dtype == GgmlType::kQ8_0 ? 7 : 32);
+  w.SetU32("general.file_type", opt.dtype == GgmlType::kF32    ? 0
+                                : opt.dtype == GgmlType::kF16  ? 1
+                                : opt.dtype == GgmlType::kQ8_0 ? 7
+                                                               : 32);
   QKV_ASSIGN_OR_RETURN(BpeVocab vocab, MakeSyntheticByteBpe(cfg.vocab, opt.seed));
   vocab.ToGguf(w);
 

@@ -14,7 +14,8 @@ Status SamplingParams::Validate() const {
   if (!(repetition_penalty > 0.0f) || repetition_penalty > 100.0f) {
     return InvalidArgument("repetition_penalty must be in (0, 100]");
   }
-  if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f)) return InvalidArgument("presence_penalty must be in [-2, 2]");
+  if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f))
+    return InvalidArgument("presence_penalty must be in [-2, 2]");
   if (!(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f)) {
     return InvalidArgument("frequency_penalty must be in [-2, 2]");
   }
@@ -92,7 +93,9 @@ int Sampler::Sample(float* logits, int vocab) {
   cand_.resize(vocab);
   for (int i = 0; i < vocab; ++i) cand_[i] = {logits[i] / p_.temperature, i};
   int n = vocab;
-  auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  auto by_logit = [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
   if (p_.top_k > 0 && p_.top_k < n) {
     std::partial_sort(cand_.begin(), cand_.begin() + p_.top_k, cand_.end(), by_logit);
     n = p_.top_k;

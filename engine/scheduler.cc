@@ -71,7 +71,8 @@ bool Scheduler::MakeRoom(int64_t blocks, Sequence& for_seq, std::vector<Sequence
     Sequence* victim = nullptr;
     for (Sequence* s : running) {
       if (s == &for_seq || s->ctx.kv.blocks.empty()) continue;
-      const bool scheduled = std::any_of(plan.chunks.begin(), plan.chunks.end(), [&](const auto& c) { return c.seq == s; });
+      const bool scheduled =
+          std::any_of(plan.chunks.begin(), plan.chunks.end(), [&](const auto& c) { return c.seq == s; });
       if (scheduled) continue;
       if (!victim || s->params.priority < victim->params.priority ||
           (s->params.priority == victim->params.priority && s->id > victim->id)) {

@@ -66,7 +66,8 @@ class Scheduler {
  private:
   // Makes seq's blocks cover positions up to end and its write block private (copy-on-write).
   bool EnsureBlocks(Sequence& seq, int end, std::vector<Sequence*>& running, StepPlan& plan, const Evictor& evict);
-  bool MakeRoom(int64_t blocks, Sequence& for_seq, std::vector<Sequence*>& running, StepPlan& plan, const Evictor& evict);
+  bool MakeRoom(int64_t blocks, Sequence& for_seq, std::vector<Sequence*>& running, StepPlan& plan,
+                const Evictor& evict);
   void Preempt(Sequence& s);
 
   KvBlockPool& pool_;

@@ -42,8 +42,8 @@ struct Sequence {
   GenerateParams params;
   uint32_t ns_id = 0;
   CachedTokens ctx;
-  int n_prompt = 0;   // context length before generation
-  int n_cached = 0;   // context tokens reused at admission
+  int n_prompt = 0;  // context length before generation
+  int n_cached = 0;  // context tokens reused at admission
   int n_generated = 0;
   int max_tokens = 0;
   bool use_prefix_cache = true;

@@ -47,19 +47,15 @@ inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move
 inline Status DataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 inline Status Unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
-inline Status ResourceExhausted(std::string m) {
-  return {StatusCode::kResourceExhausted, std::move(m)};
-}
-inline Status FailedPrecondition(std::string m) {
-  return {StatusCode::kFailedPrecondition, std::move(m)};
-}
+inline Status ResourceExhausted(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
+inline Status FailedPrecondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
 
 // A value or the Status that explains why there is none.
 template <typename T>
 class StatusOr {
  public:
   StatusOr(Status s) : status_(std::move(s)) { assert(!status_.ok()); }  // NOLINT: implicit by design
-  StatusOr(T v) : value_(std::move(v)) {}                                  // NOLINT: implicit by design
+  StatusOr(T v) : value_(std::move(v)) {}                                // NOLINT: implicit by design
   bool ok() const { return status_.ok(); }
   const Status& status() const { return status_; }
   T& value() & { return *value_; }
@@ -74,10 +70,10 @@ class StatusOr {
   std::optional<T> value_;
 };
 
-#define QKV_RETURN_IF_ERROR(expr)           \
-  do {                                      \
-    ::qkv::Status _st = (expr);             \
-    if (!_st.ok()) return _st;              \
+#define QKV_RETURN_IF_ERROR(expr) \
+  do {                            \
+    ::qkv::Status _st = (expr);   \
+    if (!_st.ok()) return _st;    \
   } while (0)
 
 #define QKV_CONCAT_INNER(a, b) a##b

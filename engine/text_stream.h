@@ -27,8 +27,8 @@ class TextStream {
   std::vector<std::string> stops_;
   bool include_stop_;
   size_t max_stop_ = 0;
-  std::string text_;     // all bytes pushed (sanitized as emitted)
-  size_t emitted_ = 0;   // bytes of text_ already turned into deltas
+  std::string text_;    // all bytes pushed (sanitized as emitted)
+  size_t emitted_ = 0;  // bytes of text_ already turned into deltas
   int stop_index_ = -1;
 };
 

@@ -29,8 +29,7 @@ std::string CodepointToUtf8(uint32_t cp) {
 }
 
 // GPT-2's pre-tokenizer pattern.
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 class Pcre2Splitter {
  public:
@@ -59,8 +58,8 @@ class Pcre2Splitter {
         fn(text.substr(pos));
         break;
       }
-      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos,
-                                 PCRE2_NO_UTF_CHECK, md, nullptr);
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos, PCRE2_NO_UTF_CHECK,
+                                 md, nullptr);
       if (rc < 0) {
         fn(text.substr(pos));
         break;
@@ -91,8 +90,8 @@ class ByteBpeTokenizer final : public Tokenizer {
  public:
   static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
                                                      const std::vector<int32_t>& types,
-                                                     const std::vector<std::string>& merges, int bos,
-                                                     int eos, bool add_bos) {
+                                                     const std::vector<std::string>& merges, int bos, int eos,
+                                                     bool add_bos) {
     auto t = std::unique_ptr<ByteBpeTokenizer>(new ByteBpeTokenizer());
     QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(kGpt2Pattern));
     const int n = static_cast<int>(tokens.size());
@@ -285,8 +284,8 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
   const int64_t bos = f.GetIntOr("tokenizer.ggml.bos_token_id", eos);
   if (eos >= n || bos >= n || eos < -1 || bos < -1) return DataLoss("tokenizer: BOS/EOS id outside the vocabulary");
   const bool add_bos = f.GetBoolOr("tokenizer.ggml.add_bos_token", false);
-  return ByteBpeTokenizer::Create(StringArray(*toks), types, merges, static_cast<int>(bos),
-                                  static_cast<int>(eos), add_bos);
+  return ByteBpeTokenizer::Create(StringArray(*toks), types, merges, static_cast<int>(bos), static_cast<int>(eos),
+                                  add_bos);
 }
 
 void BpeVocab::ToGguf(GgufWriter& w) const {

@@ -72,8 +72,11 @@ int main(int argc, char** argv) {
   double drain_grace = 30;
   bool no_prefix_caching = false;
   app.add_option("--model", model, "GGUF model (default: $QKVSERVE_MODEL, then the bundled model)");
-  app.add_option("--tokenizer", tokenizer_file, "Hugging Face tokenizer.json to use instead of the GGUF's (not supported yet)");
-  app.add_option("--listen", listen, "gRPC address; port 0 picks a free port")->capture_default_str()->envname("QKVSERVE_LISTEN");
+  app.add_option("--tokenizer", tokenizer_file,
+                 "Hugging Face tokenizer.json to use instead of the GGUF's (not supported yet)");
+  app.add_option("--listen", listen, "gRPC address; port 0 picks a free port")
+      ->capture_default_str()
+      ->envname("QKVSERVE_LISTEN");
   app.add_option("--metrics-listen", metrics_listen, "Prometheus /metrics address; port 0 picks a free port")
       ->capture_default_str()
       ->envname("QKVSERVE_METRICS_LISTEN");
@@ -81,20 +84,30 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "compute threads (default: the number of cores)");
   app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
-  app.add_option("--kv-cache-bytes", kv_bytes_s, "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 GiB)");
+  app.add_option(
+      "--kv-cache-bytes", kv_bytes_s,
+      "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 GiB)");
   app.add_option("--block-size", block_size, "tokens per KV block")->capture_default_str()->check(CLI::Range(1, 1024));
-  app.add_option("--max-num-batched-tokens", max_batched, "tokens per engine step")->capture_default_str()->check(CLI::Range(1, 65536));
-  app.add_option("--max-num-seqs", max_seqs, "sequences per engine step")->capture_default_str()->check(CLI::Range(1, 4096));
-  app.add_option("--max-model-len", max_model_len, "context limit (default: the model's)")->check(CLI::Range(0, 1 << 22));
+  app.add_option("--max-num-batched-tokens", max_batched, "tokens per engine step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--max-num-seqs", max_seqs, "sequences per engine step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--max-model-len", max_model_len, "context limit (default: the model's)")
+      ->check(CLI::Range(0, 1 << 22));
   app.add_option("--max-waiting", max_waiting, "queued requests before RESOURCE_EXHAUSTED")->capture_default_str();
-  app.add_option("--default-max-tokens", default_max_tokens, "max_tokens when a request gives none")->capture_default_str();
+  app.add_option("--default-max-tokens", default_max_tokens, "max_tokens when a request gives none")
+      ->capture_default_str();
   app.add_flag("--no-prefix-caching", no_prefix_caching, "do not reuse KV blocks across requests by content");
-  app.add_option("--api-keys", api_keys_file, "file with one API key per line; then every call needs 'authorization: Bearer <key>'");
+  app.add_option("--api-keys", api_keys_file,
+                 "file with one API key per line; then every call needs 'authorization: Bearer <key>'");
   app.add_option("--tls-cert", tls_cert, "PEM certificate chain (TLS)");
   app.add_option("--tls-key", tls_key, "PEM private key (TLS)");
   app.add_option("--chat-template", chat_template_s, "plain, chatml or llama3 (default: detected from the model)");
   app.add_option("--instance-id", instance_id, "names this replica in GetModelInfo (default: hostname-pid)");
-  app.add_option("--drain-grace-seconds", drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")->capture_default_str();
+  app.add_option("--drain-grace-seconds", drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")
+      ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -106,7 +119,8 @@ int main(int argc, char** argv) {
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-  if (!tokenizer_file.empty()) return Fail("--tokenizer: loading a tokenizer.json is not supported yet; the GGUF's tokenizer is used");
+  if (!tokenizer_file.empty())
+    return Fail("--tokenizer: loading a tokenizer.json is not supported yet; the GGUF's tokenizer is used");
   if (model.empty()) {
     std::vector<std::string> looked;
     model = ResolveDefaultModel(argv[0], &looked);
@@ -159,10 +173,12 @@ int main(int argc, char** argv) {
     tmpl = *t;
   }
   const auto& kvs = m.kv().shape();
-  spdlog::info("model {}: {}; weights {:.1f} MB; KV {} per token, capacity {} blocks = {} tokens = {:.1f} MiB = {} sessions of 4k tokens",
-               std::filesystem::path(model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
-               kvs.bytes_per_token(), kvs.n_blocks, kvs.n_blocks * kvs.block_size, m.kv().arena_bytes() / 1048576.0,
-               kvs.n_blocks * kvs.block_size / 4096);
+  spdlog::info(
+      "model {}: {}; weights {:.1f} MB; KV {} per token, capacity {} blocks = {} tokens = {:.1f} MiB = {} sessions of "
+      "4k tokens",
+      std::filesystem::path(model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
+      kvs.bytes_per_token(), kvs.n_blocks, kvs.n_blocks * kvs.block_size, m.kv().arena_bytes() / 1048576.0,
+      kvs.n_blocks * kvs.block_size / 4096);
 
   qkv::EngineOptions eo;
   eo.max_num_batched_tokens = max_batched;
@@ -223,12 +239,17 @@ int main(int argc, char** argv) {
   health->SetServingStatus(kService, true);
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string grpc_addr = host + ":" + std::to_string(port);
-  const std::string metrics_addr = metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" + std::to_string((*metrics)->port());
+  const std::string metrics_addr =
+      metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" + std::to_string((*metrics)->port());
   spdlog::info("ready: gRPC on {}, metrics on http://{}/metrics, instance {}", grpc_addr, metrics_addr, instance_id);
   if (!ready_file.empty()) {
     const std::string tmp = ready_file + ".tmp";
-    std::ofstream(tmp) << nlohmann::json{{"grpc", grpc_addr}, {"metrics", metrics_addr}, {"pid", getpid()},
-                                         {"instance_id", instance_id}}.dump() << "\n";
+    std::ofstream(tmp) << nlohmann::json{{"grpc", grpc_addr},
+                                         {"metrics", metrics_addr},
+                                         {"pid", getpid()},
+                                         {"instance_id", instance_id}}
+                              .dump()
+                       << "\n";
     std::filesystem::rename(tmp, ready_file);
   }
 

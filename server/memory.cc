@@ -22,8 +22,10 @@ MemoryBreakdown MeasureMemory(const Model& model) {
   std::string line;
   while (std::getline(in, line)) {  // the first line is the address range header
     long long kb = 0;
-    if (std::sscanf(line.c_str(), "Rss: %lld kB", &kb) == 1) rss_kb = kb;
-    else if (std::sscanf(line.c_str(), "Anonymous: %lld kB", &kb) == 1) anon_kb = kb;
+    if (std::sscanf(line.c_str(), "Rss: %lld kB", &kb) == 1)
+      rss_kb = kb;
+    else if (std::sscanf(line.c_str(), "Anonymous: %lld kB", &kb) == 1)
+      anon_kb = kb;
   }
   m.rss = rss_kb * 1024;
   m.other = (rss_kb - anon_kb) * 1024;

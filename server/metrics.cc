@@ -1,12 +1,12 @@
 #include "server/metrics.h"
 
-#include <limits>
-
-#include "server/memory.h"
-
 #include <prometheus/collectable.h>
 #include <prometheus/exposer.h>
 #include <prometheus/metric_family.h>
+
+#include <limits>
+
+#include "server/memory.h"
 
 namespace qkv::server {
 namespace {
@@ -26,12 +26,15 @@ MetricFamily Family(const std::string& name, const std::string& help, MetricType
 void Add(MetricFamily& f, double v, std::vector<ClientMetric::Label> labels = {}) {
   ClientMetric m;
   m.label = std::move(labels);
-  if (f.type == MetricType::Counter) m.counter.value = v;
-  else m.gauge.value = v;
+  if (f.type == MetricType::Counter)
+    m.counter.value = v;
+  else
+    m.gauge.value = v;
   f.metric.push_back(std::move(m));
 }
 
-void AddHistogram(std::vector<MetricFamily>& out, const std::string& name, const std::string& help, const Histogram& h) {
+void AddHistogram(std::vector<MetricFamily>& out, const std::string& name, const std::string& help,
+                  const Histogram& h) {
   MetricFamily f = Family(name, help, MetricType::Histogram);
   ClientMetric m;
   uint64_t cum = 0;
@@ -59,42 +62,55 @@ class EngineCollectable final : public prometheus::Collectable {
     auto gauge = [&](const std::string& n, const std::string& h, std::vector<std::pair<std::string, double>> values,
                      const std::string& label = "") {
       MetricFamily f = Family(n, h, MetricType::Gauge);
-      for (auto& [lv, v] : values) Add(f, v, label.empty() ? std::vector<ClientMetric::Label>{} : std::vector<ClientMetric::Label>{{label, lv}});
+      for (auto& [lv, v] : values)
+        Add(f, v, label.empty() ? std::vector<ClientMetric::Label>{} : std::vector<ClientMetric::Label>{{label, lv}});
       out.push_back(std::move(f));
     };
     auto counter = [&](const std::string& n, const std::string& h, std::vector<std::pair<std::string, double>> values,
                        const std::string& label = "") {
       MetricFamily f = Family(n, h, MetricType::Counter);
-      for (auto& [lv, v] : values) Add(f, v, label.empty() ? std::vector<ClientMetric::Label>{} : std::vector<ClientMetric::Label>{{label, lv}});
+      for (auto& [lv, v] : values)
+        Add(f, v, label.empty() ? std::vector<ClientMetric::Label>{} : std::vector<ClientMetric::Label>{{label, lv}});
       out.push_back(std::move(f));
     };
     auto d = [](auto v) { return static_cast<double>(v); };
-    gauge("qkvserve_kv_cache_blocks", "KV blocks: used (referenced), cached (reusable prefix), free; they sum to the total",
+    gauge("qkvserve_kv_cache_blocks",
+          "KV blocks: used (referenced), cached (reusable prefix), free; they sum to the total",
           {{"used", d(s.blocks_used)}, {"cached", d(s.blocks_cached)}, {"free", d(s.blocks_free)}}, "state");
-    gauge("qkvserve_kv_cache_tokens", "KV token slots", {{"capacity", d(s.tokens_capacity)}, {"used", d(s.tokens_used)}}, "state");
+    gauge("qkvserve_kv_cache_tokens", "KV token slots",
+          {{"capacity", d(s.tokens_capacity)}, {"used", d(s.tokens_used)}}, "state");
     gauge("qkvserve_kv_cache_bytes", "bytes of the KV arena",
           {{"capacity", d(s.tokens_capacity * bpt)}, {"used", d(s.tokens_used * bpt)}}, "state");
     gauge("qkvserve_kv_cache_usage_ratio", "used blocks / total blocks",
           {{"", s.blocks_total ? d(s.blocks_used) / d(s.blocks_total) : 0.0}});
     gauge("qkvserve_kv_cache_slack_tokens", "allocated KV slots not yet holding a token", {{"", d(s.slack_tokens)}});
-    gauge("qkvserve_kv_bytes_per_token", "KV bytes per token (layers x 2 x kv heads x head_dim x bytes)", {{"", d(bpt)}});
+    gauge("qkvserve_kv_bytes_per_token", "KV bytes per token (layers x 2 x kv heads x head_dim x bytes)",
+          {{"", d(bpt)}});
     gauge("qkvserve_kv_block_size_tokens", "tokens per KV block", {{"", d(s.block_size)}});
-    counter("qkvserve_prefix_cache_queries_tokens_total", "prompt tokens looked up in the prefix cache", {{"", d(s.prefix_queries_tokens)}});
-    counter("qkvserve_prefix_cache_hits_tokens_total", "prompt tokens found in the prefix cache", {{"", d(s.prefix_hits_tokens)}});
+    counter("qkvserve_prefix_cache_queries_tokens_total", "prompt tokens looked up in the prefix cache",
+            {{"", d(s.prefix_queries_tokens)}});
+    counter("qkvserve_prefix_cache_hits_tokens_total", "prompt tokens found in the prefix cache",
+            {{"", d(s.prefix_hits_tokens)}});
     gauge("qkvserve_sessions", "sessions: resident (KV held) or evicted (history only)",
           {{"resident", d(s.sessions_resident)}, {"evicted", d(s.sessions_evicted)}}, "state");
     gauge("qkvserve_session_kv_bytes", "KV bytes held by sessions", {{"", d(s.session_kv_bytes)}});
     counter("qkvserve_session_evictions_total", "sessions that lost their KV (memory) or were closed (ttl, closed)",
-            {{"memory", d(s.session_evictions_memory)}, {"ttl", d(s.session_evictions_ttl)}, {"closed", d(s.session_evictions_closed)}},
+            {{"memory", d(s.session_evictions_memory)},
+             {"ttl", d(s.session_evictions_ttl)},
+             {"closed", d(s.session_evictions_closed)}},
             "reason");
     counter("qkvserve_preemptions_total", "running requests preempted by recompute", {{"", d(s.preemptions)}});
-    gauge("qkvserve_requests", "requests by state", {{"running", d(s.requests_running)}, {"waiting", d(s.requests_waiting)}}, "state");
+    gauge("qkvserve_requests", "requests by state",
+          {{"running", d(s.requests_running)}, {"waiting", d(s.requests_waiting)}}, "state");
     counter("qkvserve_requests_finished_total", "finished requests by reason",
-            {{"stop", d(s.finished_stop)}, {"length", d(s.finished_length)}, {"cancelled", d(s.finished_cancelled)},
+            {{"stop", d(s.finished_stop)},
+             {"length", d(s.finished_length)},
+             {"cancelled", d(s.finished_cancelled)},
              {"error", d(s.finished_error)}},
             "reason");
     counter("qkvserve_prompt_tokens_total", "prompt tokens processed (whole context)", {{"", d(s.prompt_tokens)}});
-    counter("qkvserve_cached_prompt_tokens_total", "prompt tokens reused without recompute", {{"", d(s.cached_prompt_tokens)}});
+    counter("qkvserve_cached_prompt_tokens_total", "prompt tokens reused without recompute",
+            {{"", d(s.cached_prompt_tokens)}});
     counter("qkvserve_generated_tokens_total", "generated tokens", {{"", d(s.generated_tokens)}});
     AddHistogram(out, "qkvserve_time_to_first_token_seconds", "submit to first token", s.ttft);
     AddHistogram(out, "qkvserve_inter_token_latency_seconds", "time between tokens of a request", s.itl);
@@ -103,13 +119,20 @@ class EngineCollectable final : public prometheus::Collectable {
     AddHistogram(out, "qkvserve_step_duration_seconds", "engine step (forward pass and sampling)", s.step);
     AddHistogram(out, "qkvserve_batch_size_tokens", "tokens per engine step", s.batch_tokens);
     gauge("qkvserve_memory_bytes", "resident memory by owner",
-          {{"weights", d(mem.weights)}, {"kv_arena", d(mem.kv_arena)}, {"scratch", d(mem.scratch)}, {"heap", d(mem.heap)},
+          {{"weights", d(mem.weights)},
+           {"kv_arena", d(mem.kv_arena)},
+           {"scratch", d(mem.scratch)},
+           {"heap", d(mem.heap)},
            {"other", d(mem.other)}},
           "component");
     gauge("qkvserve_resident_memory_bytes", "process RSS", {{"", d(mem.rss)}});
-    MetricFamily info = Family("qkvserve_build_info", "constant 1, labelled with the build and model", MetricType::Gauge);
-    Add(info, 1.0, {{"version", "0.1.0"}, {"model", model_}, {"architecture", ArchName(engine_.model().config().arch)},
-                    {"attention", engine_.model().config().AttentionKind()}});
+    MetricFamily info =
+        Family("qkvserve_build_info", "constant 1, labelled with the build and model", MetricType::Gauge);
+    Add(info, 1.0,
+        {{"version", "0.1.0"},
+         {"model", model_},
+         {"architecture", ArchName(engine_.model().config().arch)},
+         {"attention", engine_.model().config().AttentionKind()}});
     out.push_back(std::move(info));
     return out;
   }

@@ -273,11 +273,11 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
         }
         msgs.push_back({m.role(), m.content()});
       }
-      QKV_ASSIGN_OR_RETURN(p.prompt, ApplyChatTemplate(opt_.chat_template, tok, msgs, !req.has_session_id() && tok.add_bos()));
+      QKV_ASSIGN_OR_RETURN(p.prompt,
+                           ApplyChatTemplate(opt_.chat_template, tok, msgs, !req.has_session_id() && tok.add_bos()));
       break;
     }
-    default:
-      return InvalidArgument("one of text, token_ids or messages is required");
+    default: return InvalidArgument("one of text, token_ids or messages is required");
   }
   if (req.has_session_id()) {
     if (req.session_id().empty()) return InvalidArgument("session_id is empty");
@@ -316,7 +316,7 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
 }
 
 grpc::ServerWriteReactor<pb::GenerateResponse>* InferenceService::Generate(grpc::CallbackServerContext* ctx,
-                                                                          const pb::GenerateRequest* req) {
+                                                                           const pb::GenerateRequest* req) {
   return new GenerateReactor(this, ctx, req);
 }
 
@@ -346,8 +346,8 @@ grpc::ServerUnaryReactor* InferenceService::CreateSession(grpc::CallbackServerCo
   return Done(ctx, ToGrpc(r.status()));
 }
 
-grpc::ServerUnaryReactor* InferenceService::GetSession(grpc::CallbackServerContext* ctx, const pb::GetSessionRequest* req,
-                                                       pb::Session* resp) {
+grpc::ServerUnaryReactor* InferenceService::GetSession(grpc::CallbackServerContext* ctx,
+                                                       const pb::GetSessionRequest* req, pb::Session* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
   auto r = engine_.GetSession(*ns, req->session_id(), req->include_token_ids());
@@ -356,7 +356,8 @@ grpc::ServerUnaryReactor* InferenceService::GetSession(grpc::CallbackServerConte
 }
 
 grpc::ServerUnaryReactor* InferenceService::ListSessions(grpc::CallbackServerContext* ctx,
-                                                         const pb::ListSessionsRequest*, pb::ListSessionsResponse* resp) {
+                                                         const pb::ListSessionsRequest*,
+                                                         pb::ListSessionsResponse* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
   for (const SessionInfo& i : engine_.ListSessions(*ns)) FillSession(i, resp->add_sessions());
@@ -383,7 +384,8 @@ grpc::ServerUnaryReactor* InferenceService::TruncateSession(grpc::CallbackServer
 }
 
 grpc::ServerUnaryReactor* InferenceService::CloseSession(grpc::CallbackServerContext* ctx,
-                                                         const pb::CloseSessionRequest* req, pb::CloseSessionResponse*) {
+                                                         const pb::CloseSessionRequest* req,
+                                                         pb::CloseSessionResponse*) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
   return Done(ctx, ToGrpc(engine_.CloseSession(*ns, req->session_id())));
@@ -418,8 +420,8 @@ grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerConte
   return Done(ctx, grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerContext* ctx, const pb::GetModelInfoRequest*,
-                                                         pb::ModelInfo* resp) {
+grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerContext* ctx,
+                                                         const pb::GetModelInfoRequest*, pb::ModelInfo* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
   const Model& m = engine_.model();
@@ -468,7 +470,8 @@ grpc::ServerUnaryReactor* InferenceService::GetStats(grpc::CallbackServerContext
   r->set_kv_tokens_used(s.tokens_used);
   r->set_kv_bytes_capacity(s.tokens_capacity * s.kv_bytes_per_token);
   r->set_kv_bytes_used(s.tokens_used * s.kv_bytes_per_token);
-  r->set_kv_cache_usage_ratio(s.blocks_total ? static_cast<double>(s.blocks_used) / static_cast<double>(s.blocks_total) : 0.0);
+  r->set_kv_cache_usage_ratio(s.blocks_total ? static_cast<double>(s.blocks_used) / static_cast<double>(s.blocks_total)
+                                             : 0.0);
   r->set_kv_cache_slack_tokens(s.slack_tokens);
   r->set_kv_bytes_per_token(s.kv_bytes_per_token);
   r->set_kv_block_size_tokens(s.block_size);

@@ -33,7 +33,8 @@ class InferenceService final : public qkvserve::v1::Inference::CallbackService {
                                      qkvserve::v1::CompleteResponse* resp) override;
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* ctx, const qkvserve::v1::CancelRequest* req,
                                    qkvserve::v1::CancelResponse* resp) override;
-  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx, const qkvserve::v1::CreateSessionRequest* req,
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
+                                          const qkvserve::v1::CreateSessionRequest* req,
                                           qkvserve::v1::Session* resp) override;
   grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx, const qkvserve::v1::GetSessionRequest* req,
                                        qkvserve::v1::Session* resp) override;

@@ -129,8 +129,10 @@ TEST_F(EngineTest, SessionEquivalenceAndAccounting) {
     const Result fresh = Run(Greedy(full, 12));
     EXPECT_EQ(s.tokens, fresh.tokens) << "turn " << turn;
     EXPECT_EQ(s.final.usage.prompt_tokens, static_cast<int>(full.size()));
-    if (turn == 0) EXPECT_EQ(s.final.usage.cached_tokens, 0);
-    else EXPECT_EQ(s.final.usage.cached_tokens, static_cast<int>(history.size()) - 1);  // all but the last sampled token
+    if (turn == 0)
+      EXPECT_EQ(s.final.usage.cached_tokens, 0);
+    else
+      EXPECT_EQ(s.final.usage.cached_tokens, static_cast<int>(history.size()) - 1);  // all but the last sampled token
     history = full;
     history.insert(history.end(), s.tokens.begin(), s.tokens.end());
     auto info = engine_->GetSession("", "chat", true);
@@ -290,7 +292,8 @@ TEST_F(EngineTest, RandomizedStress) {
       const std::string id = "s" + std::to_string(rng() % 6);
       if (engine_->CreateSession("", id, 0, 0, {}).ok()) sessions.push_back(id);
     } else if (op == 6 && !sessions.empty()) {  // a turn on a session
-      auto r = engine_->Submit(Greedy(prompt_of(rng() % 4, 1 + rng() % 10), 1 + rng() % 4, sessions[rng() % sessions.size()]));
+      auto r = engine_->Submit(
+          Greedy(prompt_of(rng() % 4, 1 + rng() % 10), 1 + rng() % 4, sessions[rng() % sessions.size()]));
       if (r.ok()) live.push_back({*r, 0, 0, true});
     } else if (op == 7 && !sessions.empty()) {  // fork
       const std::string child = "s" + std::to_string(rng() % 6);
@@ -314,7 +317,8 @@ TEST_F(EngineTest, RandomizedStress) {
         auto& exp = expected[{live[i].salt, live[i].len}];
         const size_t n = r.tokens.size();
         if (exp.size() < n) exp = r.tokens;  // first (longest) observation defines the reference
-        EXPECT_TRUE(std::equal(r.tokens.begin(), r.tokens.end(), exp.begin())) << "salt " << live[i].salt << " len " << live[i].len;
+        EXPECT_TRUE(std::equal(r.tokens.begin(), r.tokens.end(), exp.begin()))
+            << "salt " << live[i].salt << " len " << live[i].len;
         ++finished_checked;
       }
       live.erase(live.begin() + i);

@@ -97,10 +97,14 @@ TEST(Gguf, ModelLoadNamesMissingAndMisshapenTensors) {
   for (int variant = 0; variant < 2; ++variant) {
     GgufWriter w;
     for (const auto& [key, v] : (*f)->metadata()) {
-      if (v.type == GgufType::kString) w.SetString(key, v.s);
-      else if (v.type == GgufType::kU32) w.SetU32(key, static_cast<uint32_t>(v.u));
-      else if (v.type == GgufType::kF32) w.SetF32(key, static_cast<float>(v.f));
-      else if (v.type == GgufType::kBool) w.SetBool(key, v.u != 0);
+      if (v.type == GgufType::kString)
+        w.SetString(key, v.s);
+      else if (v.type == GgufType::kU32)
+        w.SetU32(key, static_cast<uint32_t>(v.u));
+      else if (v.type == GgufType::kF32)
+        w.SetF32(key, static_cast<float>(v.f));
+      else if (v.type == GgufType::kBool)
+        w.SetBool(key, v.u != 0);
       else if (v.type == GgufType::kArray && v.array_type == GgufType::kString) {
         std::vector<std::string> s;
         for (const auto& e : v.array) s.push_back(e.s);
@@ -123,7 +127,8 @@ TEST(Gguf, ModelLoadNamesMissingAndMisshapenTensors) {
     mo.n_threads = 1;
     auto m = Model::Load(out, mo);
     ASSERT_FALSE(m.ok());
-    EXPECT_NE(m.status().message().find(variant == 0 ? "missing tensor 'blk.1.attn_k.weight'" : "'blk.0.ffn_down.weight' has shape"),
+    EXPECT_NE(m.status().message().find(variant == 0 ? "missing tensor 'blk.1.attn_k.weight'"
+                                                     : "'blk.0.ffn_down.weight' has shape"),
               std::string::npos)
         << m.status().ToString();
   }
@@ -142,7 +147,7 @@ TEST(Gguf, FuzzedFilesNeverCrash) {
     std::vector<uint8_t> b = good;
     switch (it % 3) {
       case 0: b.resize(rng() % b.size()); break;  // truncation
-      case 1: {                                       // flips in the header/metadata region
+      case 1: {                                   // flips in the header/metadata region
         const int flips = 1 + rng() % 4;
         const size_t region = std::min<size_t>(b.size(), 24000);
         for (int k = 0; k < flips; ++k) b[rng() % region] ^= static_cast<uint8_t>(1u << (rng() % 8));
@@ -150,7 +155,8 @@ TEST(Gguf, FuzzedFilesNeverCrash) {
       }
       default: {  // random bytes anywhere, including 0xff runs that make huge lengths
         const size_t at = rng() % b.size();
-        for (size_t k = at; k < std::min(b.size(), at + 8); ++k) b[k] = (rng() % 2) ? 0xff : static_cast<uint8_t>(rng());
+        for (size_t k = at; k < std::min(b.size(), at + 8); ++k)
+          b[k] = (rng() % 2) ? 0xff : static_cast<uint8_t>(rng());
         break;
       }
     }
@@ -164,7 +170,8 @@ TEST(Gguf, FuzzedFilesNeverCrash) {
     (void)ModelConfig::FromGguf(**f);
     (void)LoadTokenizerFromGguf(**f);
     if (it % 10 == 1) {  // full loads are slower: every tenth corrupted file
-      std::ofstream(mutated, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+      std::ofstream(mutated, std::ios::binary)
+          .write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
       ModelOptions mo;
       mo.n_threads = 1;
       mo.max_batch_tokens = 8;

@@ -46,7 +46,8 @@ void CheckRows(DType dt, Shape s, int threads, const std::vector<int>& ms) {
   for (int m : ms) {
     (*lin)->Forward(x, m, y.data());
     for (int r = 0; r < m; ++r) {
-      ASSERT_EQ(0, std::memcmp(&y[static_cast<size_t>(r) * s.n], &alone[static_cast<size_t>(r) * s.n], sizeof(float) * s.n))
+      ASSERT_EQ(
+          0, std::memcmp(&y[static_cast<size_t>(r) * s.n], &alone[static_cast<size_t>(r) * s.n], sizeof(float) * s.n))
           << DTypeName(dt) << " n=" << s.n << " k=" << s.k << " M=" << m << " row " << r << " differs from M=1";
     }
   }
@@ -104,8 +105,18 @@ namespace qkv {
 namespace {
 
 TEST(Bf16, BulkConversionMatchesScalarIncludingTiesAndSpecials) {
-  std::vector<float> v = {0.0f, -0.0f, 1.0f, 1.00390625f /* tie, rounds to even */, 1.01171875f /* tie, rounds up */,
-                          3.14159f, -2.5e-39f, 1e38f, 3.4e38f, INFINITY, -INFINITY, NAN};
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          1.00390625f /* tie, rounds to even */,
+                          1.01171875f /* tie, rounds up */,
+                          3.14159f,
+                          -2.5e-39f,
+                          1e38f,
+                          3.4e38f,
+                          INFINITY,
+                          -INFINITY,
+                          NAN};
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> u(-1e4f, 1e4f);
   for (int i = 0; i < 1000; ++i) v.push_back(u(rng));

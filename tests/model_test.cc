@@ -26,7 +26,8 @@ std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batc
 
 // Appends tokens to seq in chunks of `chunk`; returns the logits of every position (all_logits) or the last.
 std::vector<float> Feed(Model& m, SeqKv& seq, const std::vector<int>& tokens, bool all, int chunk = 1 << 30) {
-  EXPECT_TRUE(ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, m.blocks()).ok());
+  EXPECT_TRUE(
+      ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, m.blocks()).ok());
   std::vector<float> out;
   const int V = m.config().vocab;
   for (size_t i = 0; i < tokens.size(); i += chunk) {
@@ -34,7 +35,8 @@ std::vector<float> Feed(Model& m, SeqKv& seq, const std::vector<int>& tokens, bo
     BatchChunk ch{&seq, std::span<const int>(tokens.data() + i, n), all};
     const Status s = m.Forward(std::span<const BatchChunk>(&ch, 1));
     EXPECT_TRUE(s.ok()) << s.ToString();
-    if (all || i + n == tokens.size()) out.insert(out.end(), m.logits(), m.logits() + static_cast<size_t>(m.logits_rows()) * V);
+    if (all || i + n == tokens.size())
+      out.insert(out.end(), m.logits(), m.logits() + static_cast<size_t>(m.logits_rows()) * V);
   }
   return out;
 }
@@ -121,7 +123,8 @@ TEST_P(ModelArchTest, ChunkingAndBatchCompositionDoNotChangeBits) {
     BatchChunk b[3] = {{&x, px, false}, {&y, std::span<const int>(p.data(), 100), true}, {&z, pz, true}};
     ASSERT_TRUE(m->Forward(b).ok());
     std::vector<float> got(m->logits() + V, m->logits() + 101 * static_cast<size_t>(V));
-    BatchChunk b2[2] = {{&z, std::span<const int>(pz.data(), 1), false}, {&y, std::span<const int>(p.data() + 100, 50), true}};
+    BatchChunk b2[2] = {{&z, std::span<const int>(pz.data(), 1), false},
+                        {&y, std::span<const int>(p.data() + 100, 50), true}};
     ASSERT_TRUE(m->Forward(b2).ok());
     got.insert(got.end(), m->logits() + V, m->logits() + 51 * static_cast<size_t>(V));
     ASSERT_EQ(got.size(), whole.size());

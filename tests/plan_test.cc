@@ -1,6 +1,6 @@
-#include "engine/capacity_plan.h"
-
 #include <gtest/gtest.h>
+
+#include "engine/capacity_plan.h"
 
 namespace qkv {
 namespace {
@@ -13,24 +13,38 @@ int64_t PerToken(const std::string& json, int bytes = 2) {
 
 // Published bf16 figures.
 TEST(Plan, DeepSeekLlm67b) {
-  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 95, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192, "head_dim": 128})"), 389120);
-  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 95, "num_attention_heads": 64, "hidden_size": 8192})"), 3112960);  // as MHA
+  EXPECT_EQ(
+      PerToken(
+          R"({"num_hidden_layers": 95, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192, "head_dim": 128})"),
+      389120);
+  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 95, "num_attention_heads": 64, "hidden_size": 8192})"),
+            3112960);  // as MHA
 }
 
 TEST(Plan, Mla) {
-  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 60, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})"), 69120);
-  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})"), 70272);
+  EXPECT_EQ(
+      PerToken(R"({"num_hidden_layers": 60, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})"),
+      69120);
+  EXPECT_EQ(
+      PerToken(R"({"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})"),
+      70272);
 }
 
 TEST(Plan, HybridOnlyAttentionLayersHoldKv) {
-  const std::string base = R"("num_hidden_layers": 64, "num_attention_heads": 32, "head_dim": 256, "full_attention_interval": 4)";
+  const std::string base =
+      R"("num_hidden_layers": 64, "num_attention_heads": 32, "head_dim": 256, "full_attention_interval": 4)";
   EXPECT_EQ(PerToken("{" + base + R"(, "num_key_value_heads": 4})"), 64 * 1024);
   EXPECT_EQ(PerToken("{" + base + R"(, "num_key_value_heads": 24})"), 384 * 1024);
   EXPECT_EQ(PerToken("{" + base + R"(, "num_key_value_heads": 1})"), 16 * 1024);
   std::string types = "[";
-  for (int i = 0; i < 64; ++i) types += std::string(i ? "," : "") + ((i % 4 == 3) ? "\"full_attention\"" : "\"linear_attention\"");
+  for (int i = 0; i < 64; ++i)
+    types += std::string(i ? "," : "") + ((i % 4 == 3) ? "\"full_attention\"" : "\"linear_attention\"");
   types += "]";
-  EXPECT_EQ(PerToken(R"({"num_hidden_layers": 64, "num_attention_heads": 32, "head_dim": 256, "num_key_value_heads": 4, "layer_types": )" + types + "}"), 64 * 1024);
+  EXPECT_EQ(
+      PerToken(
+          R"({"num_hidden_layers": 64, "num_attention_heads": 32, "head_dim": 256, "num_key_value_heads": 4, "layer_types": )" +
+          types + "}"),
+      64 * 1024);
 }
 
 TEST(Plan, SlidingLayersAreCappedAtTheWindow) {

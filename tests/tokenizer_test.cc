@@ -35,9 +35,10 @@ TEST(Tokenizer, SyntheticVocabularyHasExactSize) {
 
 TEST(Tokenizer, RoundTripsArbitraryText) {
   auto t = Synthetic();
-  for (std::string s : std::vector<std::string>{"Hello world", "", "  leading and trailing  ", "tabs\tand\nnewlines\n\n",
-                        "numbers 12345 and 3.14", "Ünïcödé, кириллица, 中文, emoji 👩‍👩‍👧",
-                        std::string("\xff\xfe invalid utf8 \xc3"), "it's we've they'll"}) {
+  for (std::string s : std::vector<std::string>{"Hello world", "", "  leading and trailing  ",
+                                                "tabs\tand\nnewlines\n\n", "numbers 12345 and 3.14",
+                                                "Ünïcödé, кириллица, 中文, emoji 👩‍👩‍👧",
+                                                std::string("\xff\xfe invalid utf8 \xc3"), "it's we've they'll"}) {
     const auto ids = t->Encode(s);
     EXPECT_EQ(t->Decode(ids), s);
     for (int id : ids) {

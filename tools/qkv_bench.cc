@@ -48,10 +48,11 @@ double MeasureBandwidth(int threads) {
 void PrintProfile(const char* what, const qkv::Model::Profile& p) {
   const double t = p.total();
   auto pct = [&](double x) { return 100.0 * x / t; };
-  std::printf("  %s profile: qkv %.1f%%, attention %.1f%%, o %.1f%%, ffn gate/up %.1f%%, ffn act %.1f%%, "
-              "ffn down %.1f%%, lm head %.1f%%, norms %.1f%%, rope+kv store %.1f%%, embed %.1f%%\n",
-              what, pct(p.qkv), pct(p.attention), pct(p.o), pct(p.ffn_up), pct(p.ffn_act), pct(p.ffn_down),
-              pct(p.lm_head), pct(p.norms), pct(p.rope_store), pct(p.embed));
+  std::printf(
+      "  %s profile: qkv %.1f%%, attention %.1f%%, o %.1f%%, ffn gate/up %.1f%%, ffn act %.1f%%, "
+      "ffn down %.1f%%, lm head %.1f%%, norms %.1f%%, rope+kv store %.1f%%, embed %.1f%%\n",
+      what, pct(p.qkv), pct(p.attention), pct(p.o), pct(p.ffn_up), pct(p.ffn_act), pct(p.ffn_down), pct(p.lm_head),
+      pct(p.norms), pct(p.rope_store), pct(p.embed));
 }
 
 }  // namespace
@@ -63,9 +64,13 @@ int main(int argc, char** argv) {
   bool profile = false;
   app.add_option("--model", model, "GGUF model file")->required();
   app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
-  app.add_option("--prompt", prompt, "prompt tokens for the prefill measurement")->capture_default_str()->check(CLI::Range(1, 65536));
+  app.add_option("--prompt", prompt, "prompt tokens for the prefill measurement")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
   app.add_option("--gen", gen, "tokens to decode")->capture_default_str()->check(CLI::Range(1, 65536));
-  app.add_option("--reps", reps, "repetitions (the best is reported)")->capture_default_str()->check(CLI::Range(1, 100));
+  app.add_option("--reps", reps, "repetitions (the best is reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
   app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
   app.add_flag("--profile", profile, "print where the time goes");
@@ -141,7 +146,8 @@ int main(int argc, char** argv) {
   const double decode_tps = gen / best_decode;
   const double roofline = bw * 1e9 / static_cast<double>(m.weight_bytes_per_token());
   std::printf("prefill: %d tokens in %.3f s = %.1f tok/s\n", prompt, best_prefill, prefill_tps);
-  std::printf("decode:  %d tokens in %.3f s = %.1f tok/s (%.2f ms/token)\n", gen, best_decode, decode_tps, 1e3 * best_decode / gen);
+  std::printf("decode:  %d tokens in %.3f s = %.1f tok/s (%.2f ms/token)\n", gen, best_decode, decode_tps,
+              1e3 * best_decode / gen);
   std::printf("roofline: read bandwidth %.1f GB/s on %d threads -> %.1f tok/s; decode at %.0f%% of it\n", bw, threads,
               roofline, 100.0 * decode_tps / roofline);
   if (profile) {

@@ -55,7 +55,9 @@ int main(int argc, char** argv) {
   std::vector<int> conc = {1, 4, 16, 64};
   app.add_option("--model", model, "GGUF model file")->required();
   app.add_option("--threads", threads, "compute threads")->capture_default_str();
-  app.add_option("--concurrency", conc, "concurrent sequences for the decode figure")->delimiter(',')->capture_default_str();
+  app.add_option("--concurrency", conc, "concurrent sequences for the decode figure")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--gen", gen, "tokens generated per sequence")->capture_default_str();
   app.add_option("--history", history, "session history before the measured turn")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -131,8 +133,9 @@ int main(int argc, char** argv) {
     t0 = Clock::now();
     const auto f2 = Drain(*eng.Submit(pf), &n);
     const double ttft_fresh = std::chrono::duration<double>(f2 - t0).count();
-    std::printf("time to first token, turn 4 with %zu tokens of history: session %.1f ms, fresh %.1f ms (%.1fx faster)\n",
-                info->tokens.size(), 1e3 * ttft_session, 1e3 * ttft_fresh, ttft_fresh / ttft_session);
+    std::printf(
+        "time to first token, turn 4 with %zu tokens of history: session %.1f ms, fresh %.1f ms (%.1fx faster)\n",
+        info->tokens.size(), 1e3 * ttft_session, 1e3 * ttft_fresh, ttft_fresh / ttft_session);
     (void)eng.CloseSession("bench", "s");
   }
 
@@ -140,7 +143,8 @@ int main(int argc, char** argv) {
   {
     std::mt19937 rng(3);
     std::vector<std::shared_ptr<qkv::RequestStream>> st;
-    for (int i = 0; i < 16; ++i) st.push_back(*eng.Submit(Greedy(Tokens(20 + rng() % 300, 2000 + i, V), 16 + rng() % 48)));
+    for (int i = 0; i < 16; ++i)
+      st.push_back(*eng.Submit(Greedy(Tokens(20 + rng() % 300, 2000 + i, V), 16 + rng() % 48)));
     double sum = 0;
     int samples = 0;
     for (int k = 0; k < 200; ++k) {

@@ -1,11 +1,12 @@
 // qkv-model: make and inspect model files.
-//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3] [--dtype f32|f16|bf16|q8_0] [--seed N]
-//   qkv-model info MODEL.gguf
-//   qkv-model tokenize --model MODEL.gguf [--decode] [--parse-special] [--add-special]
+//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3] [--dtype f32|f16|bf16|q8_0]
+//   [--seed N] qkv-model info MODEL.gguf qkv-model tokenize --model MODEL.gguf [--decode] [--parse-special]
+//   [--add-special]
 //     reads one JSON string per line and prints one JSON array of ids per line (--decode: the reverse)
 #include <CLI/CLI.hpp>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "engine/capacity_plan.h"
@@ -14,8 +15,6 @@
 #include "engine/random_model.h"
 #include "engine/tokenizer.h"
 #include "engine/utf8.h"
-
-#include <nlohmann/json.hpp>
 
 namespace {
 
@@ -61,13 +60,15 @@ int Info(const std::string& path) {
     weight_bytes += t.nbytes;
     ++types[qkv::GgmlTypeName(t.type)];
   }
-  std::cout << "file:              " << path << " (" << (*f)->file_size() << " bytes, GGUF v" << (*f)->version() << ")\n"
+  std::cout << "file:              " << path << " (" << (*f)->file_size() << " bytes, GGUF v" << (*f)->version()
+            << ")\n"
             << "name:              " << (*f)->GetStringOr("general.name", "") << "\n"
             << "architecture:      " << qkv::ArchName(cfg->arch) << "\n"
             << "config:            " << cfg->Summary() << "\n"
             << "attention:         " << cfg->AttentionKind() << " (" << cfg->n_heads << " query heads, "
             << cfg->n_kv_heads << " kv heads)\n"
-            << "rope:              " << (qkv::RopeStyleOf(cfg->arch) == qkv::RopeStyle::kInterleaved ? "interleaved pairs" : "halves")
+            << "rope:              "
+            << (qkv::RopeStyleOf(cfg->arch) == qkv::RopeStyle::kInterleaved ? "interleaved pairs" : "halves")
             << ", rotary_dim " << cfg->rotary_dim << " of " << cfg->head_dim << ", theta " << cfg->rope_theta << "\n"
             << "parameters:        " << cfg->ParameterCount() << "\n"
             << "weight bytes:      " << weight_bytes << " (";
@@ -82,8 +83,8 @@ int Info(const std::string& path) {
   auto tok = qkv::LoadTokenizerFromGguf(**f);
   if (tok.ok()) {
     std::cout << "tokenizer:         " << (*f)->GetStringOr("tokenizer.ggml.model", "?") << "/"
-              << (*f)->GetStringOr("tokenizer.ggml.pre", "default") << ", " << (*tok)->vocab_size()
-              << " tokens, bos " << (*tok)->bos_id() << ", eos " << (*tok)->eos_id() << "\n";
+              << (*f)->GetStringOr("tokenizer.ggml.pre", "default") << ", " << (*tok)->vocab_size() << " tokens, bos "
+              << (*tok)->bos_id() << ", eos " << (*tok)->eos_id() << "\n";
   } else {
     std::cout << "tokenizer:         " << tok.status().ToString() << "\n";
   }
@@ -101,7 +102,8 @@ int Tokenize(const std::string& path, bool decode, bool parse_special, bool add_
     ++line_no;
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (decode) {
-      if (!j.is_array()) return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": expected a JSON array of ids"));
+      if (!j.is_array())
+        return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": expected a JSON array of ids"));
       std::vector<int> ids;
       for (const auto& v : j) {
         if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= (*tok)->vocab_size()) {
@@ -113,7 +115,8 @@ int Tokenize(const std::string& path, bool decode, bool parse_special, bool add_
       // JSON needs valid UTF-8: invalid bytes become U+FFFD, as in streaming.
       std::cout << nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     } else {
-      if (!j.is_string()) return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": expected a JSON string"));
+      if (!j.is_string())
+        return Fail(qkv::InvalidArgument("line " + std::to_string(line_no) + ": expected a JSON string"));
       const auto enc = (*tok)->Encode(j.get<std::string>(), parse_special);
       nlohmann::json ids = nlohmann::json::array();
       if (add_special && (*tok)->add_bos() && (*tok)->bos_id() >= 0) ids.push_back((*tok)->bos_id());
@@ -127,14 +130,16 @@ int Tokenize(const std::string& path, bool decode, bool parse_special, bool add_
 }  // namespace
 
 // Shared with qkvctl plan: reads the config and prints the plan.
-int PlanMain(const std::string& config, const std::string& memory, int64_t context, const std::string& dtype, bool json) {
+int PlanMain(const std::string& config, const std::string& memory, int64_t context, const std::string& dtype,
+             bool json) {
   std::ifstream in(config);
   if (!in) return Fail(qkv::NotFound("cannot read --config '" + config + "'"));
   std::stringstream ss;
   ss << in.rdbuf();
   auto mem = qkv::ParseByteSize(memory);
   if (!mem.ok()) return Fail(qkv::InvalidArgument("--memory: " + mem.status().message()));
-  if (dtype != "bf16" && dtype != "f32" && dtype != "f16") return Fail(qkv::InvalidArgument("--dtype must be bf16, f16 or f32"));
+  if (dtype != "bf16" && dtype != "f32" && dtype != "f16")
+    return Fail(qkv::InvalidArgument("--dtype must be bf16, f16 or f32"));
   auto plan = qkv::PlanCapacity(ss.str(), *mem, context, dtype == "f32" ? 4 : 2);
   if (!plan.ok()) return Fail(plan.status());
   std::cout << (json ? plan->ToJson() + "\n" : plan->ToText());
@@ -147,12 +152,16 @@ int main(int argc, char** argv) {
   auto* random = app.add_subcommand("random", "write a random-weight model from a Hugging Face config.json");
   std::string config, out, arch = "llama", dtype = "f32";
   uint64_t seed = 0;
-  random->add_option("--config", config, "Hugging Face config.json (plus attention_bias, attn_output_gate, attention_sinks, qk_norm)")->required();
+  random
+      ->add_option("--config", config,
+                   "Hugging Face config.json (plus attention_bias, attn_output_gate, attention_sinks, qk_norm)")
+      ->required();
   random->add_option("--out", out, "output GGUF path")->required();
   random->add_option("--arch", arch, "architecture: llama, qwen2 or qwen3")->capture_default_str();
   random->add_option("--dtype", dtype, "weight type: f32, f16, bf16 or q8_0")->capture_default_str();
   random->add_option("--seed", seed, "random seed")->capture_default_str();
-  auto* info = app.add_subcommand("info", "print a model's config, parameter count, weight bytes and KV bytes per token");
+  auto* info =
+      app.add_subcommand("info", "print a model's config, parameter count, weight bytes and KV bytes per token");
   std::string model;
   info->add_option("model", model, "GGUF file")->required();
   auto* tokenize = app.add_subcommand("tokenize", "encode JSON strings (one per line on stdin) to JSON id arrays");
@@ -160,9 +169,11 @@ int main(int argc, char** argv) {
   bool decode = false, parse_special = false, add_special = false;
   tokenize->add_option("--model", tok_model, "GGUF file whose tokenizer to use")->required();
   tokenize->add_flag("--decode", decode, "read id arrays, print strings");
-  tokenize->add_flag("--parse-special", parse_special, "treat special-token text (e.g. <|endoftext|>) as the special token");
+  tokenize->add_flag("--parse-special", parse_special,
+                     "treat special-token text (e.g. <|endoftext|>) as the special token");
   tokenize->add_flag("--add-special", add_special, "add BOS when the model asks for it");
-  auto* plan = app.add_subcommand("plan", "KV bytes per token and how many tokens and sessions fit (from a Hugging Face config.json)");
+  auto* plan = app.add_subcommand(
+      "plan", "KV bytes per token and how many tokens and sessions fit (from a Hugging Face config.json)");
   std::string plan_config, plan_memory = "16GiB", plan_dtype = "bf16";
   int64_t plan_context = 4096;
   bool plan_json = false;

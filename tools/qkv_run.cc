@@ -46,12 +46,14 @@ qkv::Status Prefill(qkv::Model& m, qkv::SeqKv& seq, const std::vector<int>& toke
                     std::vector<float>* rows_out) {
   const int bs = m.options().max_batch_tokens;
   const int vocab = m.config().vocab;
-  QKV_RETURN_IF_ERROR(qkv::ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, m.blocks()));
+  QKV_RETURN_IF_ERROR(
+      qkv::ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, m.blocks()));
   for (size_t i = 0; i < tokens.size(); i += bs) {
     const size_t n = std::min<size_t>(bs, tokens.size() - i);
     qkv::BatchChunk ch{&seq, std::span<const int>(tokens.data() + i, n), all_logits};
     QKV_RETURN_IF_ERROR(m.Forward(std::span<const qkv::BatchChunk>(&ch, 1)));
-    if (rows_out && all_logits) rows_out->insert(rows_out->end(), m.logits(), m.logits() + static_cast<size_t>(m.logits_rows()) * vocab);
+    if (rows_out && all_logits)
+      rows_out->insert(rows_out->end(), m.logits(), m.logits() + static_cast<size_t>(m.logits_rows()) * vocab);
   }
   return {};
 }
@@ -68,10 +70,13 @@ int main(int argc, char** argv) {
   bool have_seed = false, no_cache = false, print_ids = false, ignore_eos = false;
   std::vector<std::string> stops;
   app.add_option("--model", model, "GGUF model file")->required();
-  auto* p_opt = app.add_option("--prompt", prompt, "prompt text (encoded with the model's tokenizer; BOS added if the model asks)");
+  auto* p_opt = app.add_option("--prompt", prompt,
+                               "prompt text (encoded with the model's tokenizer; BOS added if the model asks)");
   auto* t_opt = app.add_option("--tokens", token_list, "prompt as comma-separated token ids (used as given)");
   p_opt->excludes(t_opt);
-  app.add_option("-n,--n-predict", n_predict, "tokens to generate")->capture_default_str()->check(CLI::Range(0, 1 << 20));
+  app.add_option("-n,--n-predict", n_predict, "tokens to generate")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--temperature", temperature, "sampling temperature (0 = greedy)")->capture_default_str();
   app.add_option("--top-k", top_k, "top-k (0 = off)")->capture_default_str();
   app.add_option("--top-p", top_p, "top-p")->capture_default_str();
@@ -88,11 +93,14 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch-tokens", max_batch, "tokens per forward pass (prefill chunk)")->capture_default_str();
   app.add_option("--ctx", max_ctx, "context limit (0 = the model's)")->capture_default_str();
   app.add_flag("--no-cache", no_cache, "recompute the whole prefix at every step");
-  app.add_option("--logits", logits_out, "write teacher-forced logits of every prompt position (f32 LE [positions × vocab])");
+  app.add_option("--logits", logits_out,
+                 "write teacher-forced logits of every prompt position (f32 LE [positions × vocab])");
   app.add_option("--gen-logits", gen_logits_out, "write the logits each generated token was sampled from");
   app.add_flag("--print-ids", print_ids, "print the generated token ids on stderr at the end");
   std::string log_level = "warn";
-  app.add_option("--log-level", log_level, "trace, debug (shows the GEMM kernel oneDNN picked per M bucket), info, warn, error")->capture_default_str();
+  app.add_option("--log-level", log_level,
+                 "trace, debug (shows the GEMM kernel oneDNN picked per M bucket), info, warn, error")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   have_seed = seed_opt->count() > 0;
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -126,11 +134,14 @@ int main(int argc, char** argv) {
   }
   if (tokens.empty()) return Fail(qkv::InvalidArgument("the prompt is empty"));
   for (int t : tokens) {
-    if (t >= vocab) return Fail(qkv::InvalidArgument("--tokens: id " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(vocab)));
+    if (t >= vocab)
+      return Fail(qkv::InvalidArgument("--tokens: id " + std::to_string(t) + " is outside the vocabulary of " +
+                                       std::to_string(vocab)));
   }
   if (static_cast<int>(tokens.size()) + n_predict > m.max_context()) {
-    return Fail(qkv::InvalidArgument("prompt (" + std::to_string(tokens.size()) + ") + -n (" + std::to_string(n_predict) +
-                                     ") exceeds the context of " + std::to_string(m.max_context())));
+    return Fail(qkv::InvalidArgument("prompt (" + std::to_string(tokens.size()) + ") + -n (" +
+                                     std::to_string(n_predict) + ") exceeds the context of " +
+                                     std::to_string(m.max_context())));
   }
   qkv::SamplingParams sp;
   sp.temperature = temperature;
@@ -149,11 +160,13 @@ int main(int argc, char** argv) {
   std::vector<float> prompt_logits;
   qkv::Status s = Prefill(m, seq, tokens, !logits_out.empty(), &prompt_logits);
   if (!s.ok()) return Fail(s);
-  std::vector<float> last(m.logits() + static_cast<size_t>(m.logits_rows() - 1) * vocab, m.logits() + static_cast<size_t>(m.logits_rows()) * vocab);
+  std::vector<float> last(m.logits() + static_cast<size_t>(m.logits_rows() - 1) * vocab,
+                          m.logits() + static_cast<size_t>(m.logits_rows()) * vocab);
   const auto t1 = std::chrono::steady_clock::now();
   if (!logits_out.empty()) {
     std::ofstream out(logits_out, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(prompt_logits.data()), static_cast<std::streamsize>(prompt_logits.size() * 4));
+    out.write(reinterpret_cast<const char*>(prompt_logits.data()),
+              static_cast<std::streamsize>(prompt_logits.size() * 4));
     if (!out) return Fail(qkv::Internal("cannot write --logits '" + logits_out + "'"));
   }
   std::ofstream gen_logits;
@@ -162,7 +175,8 @@ int main(int argc, char** argv) {
   qkv::TextStream text(stops);
   std::vector<int> all = tokens, generated;
   for (int i = 0; i < n_predict; ++i) {
-    if (gen_logits.is_open()) gen_logits.write(reinterpret_cast<const char*>(last.data()), static_cast<std::streamsize>(vocab * 4));
+    if (gen_logits.is_open())
+      gen_logits.write(reinterpret_cast<const char*>(last.data()), static_cast<std::streamsize>(vocab * 4));
     const int next = sampler.Sample(last.data(), vocab);
     sampler.Accept(next);
     generated.push_back(next);

@@ -104,8 +104,8 @@ void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, con
   // Per-head score row, padded to whole blocks and to whole 8-lane vectors.
   const size_t stride = (static_cast<size_t>(n_blocks) * bs + 7) / 8 * 8;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));  // scores = q·k / sqrt(d_head)
-  float* scores = scratch;                                        // [group][stride]
-  float* blk = scratch + static_cast<size_t>(group) * stride;     // one block of K or V as f32
+  float* scores = scratch;                                       // [group][stride]
+  float* blk = scratch + static_cast<size_t>(group) * stride;    // one block of K or V as f32
 
   // Pass 1: scores, block by block in position order. Slots past n_ctx in the last block are computed
   // from stale data and then ignored (never read into the softmax).

@@ -161,7 +161,9 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
         bk.dst = memory(p->pd.dst_desc(), rt.engine(), DNNL_MEMORY_NONE);
         bk.scratch = memory(p->pd.scratchpad_desc(), rt.engine(), DNNL_MEMORY_NONE);
         // Built once: the memories are handles, so Forward only re-points them.
-        bk.args = {{DNNL_ARG_SRC, bk.src}, {DNNL_ARG_WEIGHTS, s.weights}, {DNNL_ARG_DST, bk.dst},
+        bk.args = {{DNNL_ARG_SRC, bk.src},
+                   {DNNL_ARG_WEIGHTS, s.weights},
+                   {DNNL_ARG_DST, bk.dst},
                    {DNNL_ARG_SCRATCHPAD, bk.scratch}};
         if (bias) bk.args.insert({DNNL_ARG_BIAS, s.bias});
         s.buckets.push_back(std::move(bk));
@@ -192,7 +194,8 @@ void Linear::Forward(const void* x, int m, float* y) const {
         bk.scratch.set_data_handle(rt_->scratch(t));
         bk.p->prim.execute(rt_->stream(t), bk.args);
         for (int r = 0; r < rows; ++r) {
-          std::memcpy(y + static_cast<size_t>(r0 + r) * n_ + s.n0, out + static_cast<size_t>(r) * s.n, sizeof(float) * s.n);
+          std::memcpy(y + static_cast<size_t>(r0 + r) * n_ + s.n0, out + static_cast<size_t>(r) * s.n,
+                      sizeof(float) * s.n);
         }
       }
     }

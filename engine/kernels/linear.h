@@ -45,8 +45,7 @@ class GemmRuntime {
     dnnl::matmul::primitive_desc pd;
   };
   // Primitive for (rows, n, k, ld_out) with the given weight layout, created on first use (start-up).
-  StatusOr<const Prim*> Get(int rows, int n, int k, int ld_out, DType dt, bool bias,
-                            const dnnl::memory::desc& wei);
+  StatusOr<const Prim*> Get(int rows, int n, int k, int ld_out, DType dt, bool bias, const dnnl::memory::desc& wei);
   // The weight layout oneDNN prefers for an [n, k] slice at the largest bucket.
   StatusOr<dnnl::memory::desc> PreferredWeights(int n, int k, int ld_out, DType dt, bool bias);
   void* scratch(int thread) { return scratch_[thread].data(); }
