@@ -62,7 +62,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   {
     QKV_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> f, GgufFile::Open(path));
     QKV_ASSIGN_OR_RETURN(m->cfg_, ModelConfig::FromGguf(*f));
-    QKV_ASSIGN_OR_RETURN(m->tokenizer_, LoadTokenizerFromGguf(*f));
+    if (opt.tokenizer_path.empty()) {
+      QKV_ASSIGN_OR_RETURN(m->tokenizer_, LoadTokenizerFromGguf(*f));
+    } else {
+      QKV_ASSIGN_OR_RETURN(m->tokenizer_, LoadTokenizerFromJson(opt.tokenizer_path));
+    }
     if (m->tokenizer_->vocab_size() > m->cfg_.vocab) {
       return DataLoss("model: the tokenizer has " + std::to_string(m->tokenizer_->vocab_size()) +
                       " tokens but the embedding only " + std::to_string(m->cfg_.vocab));

@@ -25,6 +25,7 @@
 namespace qkv {
 
 struct ModelOptions {
+  std::string tokenizer_path;  // a tokenizer.json to use instead of the GGUF's tokenizer
   DType weights_dtype = DType::kBF16;
   DType kv_dtype = DType::kBF16;
   int n_threads = 2;

@@ -2,6 +2,10 @@
 
 #include "engine/utf8.h"
 
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
@@ -30,6 +34,12 @@ std::string CodepointToUtf8(uint32_t cp) {
 
 // GPT-2's pre-tokenizer pattern.
 constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+// Llama 3 ("llama-bpe" in llama.cpp): case-insensitive contractions, digits in runs of up to three.
+constexpr const char* kLlama3Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+// Qwen2/2.5/3: as Llama 3 but single digits.
+constexpr const char* kQwen2Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 class Pcre2Splitter {
  public:
@@ -88,12 +98,15 @@ class Pcre2Splitter {
 // is merged until no pair has a rank.
 class ByteBpeTokenizer final : public Tokenizer {
  public:
+  // tokens in GPT-2's byte alphabet; types 3/4 mark special/added tokens; merges "a b" in rank order;
+  // pattern: the pre-tokenizer regex; ignore_merges: a pre-token that is itself a token is emitted whole.
   static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
                                                      const std::vector<int32_t>& types,
                                                      const std::vector<std::string>& merges, int bos, int eos,
-                                                     bool add_bos) {
+                                                     bool add_bos, const std::string& pattern, bool ignore_merges) {
     auto t = std::unique_ptr<ByteBpeTokenizer>(new ByteBpeTokenizer());
-    QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(kGpt2Pattern));
+    QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(pattern.c_str()));
+    t->ignore_merges_ = ignore_merges;
     const int n = static_cast<int>(tokens.size());
     // Reverse of ByteToUnicode.
     std::unordered_map<std::string, uint8_t> unicode_to_byte;
@@ -123,6 +136,7 @@ class ByteBpeTokenizer final : public Tokenizer {
           p += len;
         }
         t->bytes_[i] = raw;
+        if (ignore_merges) t->whole_.emplace(raw, i);
       }
       id_of.emplace(s, i);
     }
@@ -195,6 +209,13 @@ class ByteBpeTokenizer final : public Tokenizer {
     if (text.empty()) return;
     std::vector<int> sym;
     splitter_->Split(text, [&](std::string_view piece) {
+      if (ignore_merges_) {
+        auto it = whole_.find(std::string(piece));
+        if (it != whole_.end()) {
+          out.push_back(it->second);
+          return;
+        }
+      }
       sym.clear();
       for (char c : piece) sym.push_back(byte_token_[static_cast<unsigned char>(c)]);
       while (sym.size() > 1) {
@@ -221,6 +242,8 @@ class ByteBpeTokenizer final : public Tokenizer {
   std::vector<std::pair<std::string, int>> specials_;
   int byte_token_[256] = {};
   std::unordered_map<uint64_t, std::pair<int, int>> merge_;  // (a, b) -> (rank, merged id)
+  bool ignore_merges_ = false;
+  std::unordered_map<std::string, int> whole_;  // raw bytes -> id, for ignore_merges
 };
 
 std::vector<std::string> StringArray(const GgufValue& v) {
@@ -257,8 +280,18 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
     return Unimplemented("tokenizer: tokenizer.ggml.model '" + model + "' is not supported yet (supported: gpt2)");
   }
   const std::string pre = f.GetStringOr("tokenizer.ggml.pre", "default");
-  if (pre != "default" && pre != "gpt2" && pre != "gpt-2") {
-    return Unimplemented("tokenizer: pre-tokenizer '" + pre + "' is not supported yet (supported: default, gpt-2)");
+  std::string pattern;
+  bool ignore_merges = false;
+  if (pre == "default" || pre == "gpt2" || pre == "gpt-2") {
+    pattern = kGpt2Pattern;
+  } else if (pre == "llama-bpe" || pre == "llama3") {
+    pattern = kLlama3Pattern;
+    ignore_merges = true;  // as llama.cpp does for Llama 3
+  } else if (pre == "qwen2") {
+    pattern = kQwen2Pattern;
+  } else {
+    return Unimplemented("tokenizer: pre-tokenizer '" + pre +
+                         "' is not supported (supported: default, gpt-2, llama-bpe, qwen2)");
   }
   const GgufValue* toks = f.Find("tokenizer.ggml.tokens");
   if (!toks || toks->type != GgufType::kArray || toks->array_type != GgufType::kString || toks->array.empty()) {
@@ -285,7 +318,72 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
   if (eos >= n || bos >= n || eos < -1 || bos < -1) return DataLoss("tokenizer: BOS/EOS id outside the vocabulary");
   const bool add_bos = f.GetBoolOr("tokenizer.ggml.add_bos_token", false);
   return ByteBpeTokenizer::Create(StringArray(*toks), types, merges, static_cast<int>(bos), static_cast<int>(eos),
-                                  add_bos);
+                                  add_bos, pattern, ignore_merges);
+}
+
+StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFound("tokenizer: cannot read '" + path + "'");
+  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return InvalidArgument("tokenizer: '" + path + "' is not JSON");
+  if (!j.contains("model") || !j["model"].is_object()) return InvalidArgument("tokenizer: no 'model' object");
+  const auto& m = j["model"];
+  if (m.value("type", "") != "BPE") return Unimplemented("tokenizer: only BPE models are supported");
+  if (m.value("byte_fallback", false)) {
+    return Unimplemented("tokenizer: byte_fallback (SentencePiece-style) BPE is not supported yet");
+  }
+  if (!m.contains("vocab") || !m["vocab"].is_object()) return InvalidArgument("tokenizer: model.vocab must be an object");
+  // Vocabulary by id, added tokens included.
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;
+  auto put = [&](int64_t id, const std::string& s, int type) -> Status {
+    if (id < 0 || id > (1 << 22)) return InvalidArgument("tokenizer: token id out of range");
+    if (static_cast<int64_t>(tokens.size()) <= id) {
+      tokens.resize(id + 1);
+      types.resize(id + 1, 1);
+    }
+    tokens[id] = s;
+    types[id] = type;
+    return {};
+  };
+  for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
+    if (!it.value().is_number_integer()) return InvalidArgument("tokenizer: vocab ids must be integers");
+    QKV_RETURN_IF_ERROR(put(it.value().get<int64_t>(), it.key(), 1));
+  }
+  int eos = -1, bos = -1;
+  if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
+    for (const auto& a : j["added_tokens"]) {
+      const std::string content = a.value("content", "");
+      const int64_t id = a.value("id", -1);
+      QKV_RETURN_IF_ERROR(put(id, content, a.value("special", false) ? 3 : 4));
+      if (content == "<|endoftext|>" || content == "<|end_of_text|>" || content == "</s>") {
+        if (eos < 0) eos = static_cast<int>(id);
+      }
+      if (content == "<|begin_of_text|>" || content == "<s>") bos = static_cast<int>(id);
+    }
+  }
+  std::vector<std::string> merges;
+  if (m.contains("merges") && m["merges"].is_array()) {
+    for (const auto& mg : m["merges"]) {
+      if (mg.is_string()) merges.push_back(mg.get<std::string>());
+      else if (mg.is_array() && mg.size() == 2) merges.push_back(mg[0].get<std::string>() + " " + mg[1].get<std::string>());
+      else return InvalidArgument("tokenizer: malformed merge");
+    }
+  }
+  // Pre-tokenizer: a Split with a Regex (alone or in a Sequence), else ByteLevel's own GPT-2 regex.
+  std::string pattern = kGpt2Pattern;
+  std::function<void(const nlohmann::json&)> scan = [&](const nlohmann::json& p) {
+    if (!p.is_object()) return;
+    if (p.value("type", "") == "Sequence" && p.contains("pretokenizers")) {
+      for (const auto& q : p["pretokenizers"]) scan(q);
+    } else if (p.value("type", "") == "Split" && p.contains("pattern") && p["pattern"].contains("Regex")) {
+      pattern = p["pattern"]["Regex"].get<std::string>();
+    }
+  };
+  if (j.contains("pre_tokenizer")) scan(j["pre_tokenizer"]);
+  // The NFC normalizer (Qwen) is not applied: input is expected in NFC, as most text is.
+  return ByteBpeTokenizer::Create(tokens, types, merges, bos >= 0 ? bos : eos, eos, /*add_bos=*/bos >= 0 && bos != eos,
+                                  pattern, m.value("ignore_merges", false));
 }
 
 void BpeVocab::ToGguf(GgufWriter& w) const {

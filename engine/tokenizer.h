@@ -38,7 +38,12 @@ class Tokenizer {
   bool add_bos_ = false;
 };
 
+// From GGUF `tokenizer.ggml.*` (model gpt2; pre-tokenizers default/gpt-2, llama-bpe, qwen2).
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f);
+// From a Hugging Face tokenizer.json: byte-level BPE with a Split(Regex) and/or ByteLevel pre-tokenizer,
+// added tokens (matched only with parse_special) and ignore_merges. Not yet: the NFC normalizer (input is
+// taken as already NFC) and byte-fallback (SentencePiece-style) models.
+StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& path);
 
 // A byte-level BPE vocabulary in GGUF form: token strings in GPT-2's byte-to-unicode alphabet, token
 // types (1 normal, 3 control) and merges "a b" in rank order.

@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   bool no_prefix_caching = false;
   app.add_option("--model", model, "GGUF model (default: $QKVSERVE_MODEL, then the bundled model)");
   app.add_option("--tokenizer", tokenizer_file,
-                 "Hugging Face tokenizer.json to use instead of the GGUF's (not supported yet)");
+                 "Hugging Face tokenizer.json to use instead of the GGUF's (byte-level BPE)");
   app.add_option("--listen", listen, "gRPC address; port 0 picks a free port")
       ->capture_default_str()
       ->envname("QKVSERVE_LISTEN");
@@ -135,6 +135,7 @@ int main(int argc, char** argv) {
   if (!wd.ok()) return Fail("--weights-dtype: " + wd.status().message());
   auto kd = qkv::ParseDType(kv_dtype);
   if (!kd.ok()) return Fail("--kv-dtype: " + kd.status().message());
+  mo.tokenizer_path = tokenizer_file;
   mo.weights_dtype = *wd;
   mo.kv_dtype = *kd;
   mo.n_threads = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -91,10 +91,15 @@ int Info(const std::string& path) {
   return 0;
 }
 
-int Tokenize(const std::string& path, bool decode, bool parse_special, bool add_special) {
-  auto f = qkv::GgufFile::Open(path);
-  if (!f.ok()) return Fail(f.status());
-  auto tok = qkv::LoadTokenizerFromGguf(**f);
+int Tokenize(const std::string& path, const std::string& json, bool decode, bool parse_special, bool add_special) {
+  qkv::StatusOr<std::unique_ptr<qkv::Tokenizer>> tok = qkv::InvalidArgument("give --model or --tokenizer");
+  if (!json.empty()) {
+    tok = qkv::LoadTokenizerFromJson(json);
+  } else if (!path.empty()) {
+    auto f = qkv::GgufFile::Open(path);
+    if (!f.ok()) return Fail(f.status());
+    tok = qkv::LoadTokenizerFromGguf(**f);
+  }
   if (!tok.ok()) return Fail(tok.status());
   std::string line;
   int line_no = 0;
@@ -165,9 +170,11 @@ int main(int argc, char** argv) {
   std::string model;
   info->add_option("model", model, "GGUF file")->required();
   auto* tokenize = app.add_subcommand("tokenize", "encode JSON strings (one per line on stdin) to JSON id arrays");
-  std::string tok_model;
+  std::string tok_model, tok_json;
   bool decode = false, parse_special = false, add_special = false;
-  tokenize->add_option("--model", tok_model, "GGUF file whose tokenizer to use")->required();
+  auto* tm = tokenize->add_option("--model", tok_model, "GGUF file whose tokenizer to use");
+  auto* tj = tokenize->add_option("--tokenizer", tok_json, "Hugging Face tokenizer.json");
+  tm->excludes(tj);
   tokenize->add_flag("--decode", decode, "read id arrays, print strings");
   tokenize->add_flag("--parse-special", parse_special,
                      "treat special-token text (e.g. <|endoftext|>) as the special token");
@@ -185,6 +192,6 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (plan->parsed()) return PlanMain(plan_config, plan_memory, plan_context, plan_dtype, plan_json);
   if (random->parsed()) return Random(config, out, arch, dtype, seed);
-  if (tokenize->parsed()) return Tokenize(tok_model, decode, parse_special, add_special);
+  if (tokenize->parsed()) return Tokenize(tok_model, tok_json, decode, parse_special, add_special);
   return Info(model);
 }

@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
   bool have_seed = false, no_cache = false, print_ids = false, ignore_eos = false;
   std::vector<std::string> stops;
   app.add_option("--model", model, "GGUF model file")->required();
+  std::string tokenizer_file;
+  app.add_option("--tokenizer", tokenizer_file, "Hugging Face tokenizer.json to use instead of the GGUF's");
   auto* p_opt = app.add_option("--prompt", prompt,
                                "prompt text (encoded with the model's tokenizer; BOS added if the model asks)");
   auto* t_opt = app.add_option("--tokens", token_list, "prompt as comma-separated token ids (used as given)");
@@ -110,6 +112,7 @@ int main(int argc, char** argv) {
   if (!wd.ok()) return Fail(qkv::InvalidArgument("--weights-dtype: " + wd.status().message()));
   auto kd = qkv::ParseDType(kv_dtype);
   if (!kd.ok()) return Fail(qkv::InvalidArgument("--kv-dtype: " + kd.status().message()));
+  mo.tokenizer_path = tokenizer_file;
   mo.weights_dtype = *wd;
   mo.kv_dtype = *kd;
   mo.n_threads = threads;

