@@ -447,6 +447,14 @@ void GgufWriter::SetI32Array(const std::string& key, const std::vector<int32_t>&
   for (int32_t x : v) Put(b, x);
   kv_.emplace_back(key, std::move(b));
 }
+void GgufWriter::SetF32Array(const std::string& key, const std::vector<float>& v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kArray));
+  Put<uint32_t>(b, static_cast<uint32_t>(GgufType::kF32));
+  Put<uint64_t>(b, v.size());
+  for (float x : v) Put(b, x);
+  kv_.emplace_back(key, std::move(b));
+}
 void GgufWriter::AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne,
                            std::vector<uint8_t> data) {
   tensors_.push_back({name, type, std::move(ne), std::move(data)});

@@ -121,6 +121,7 @@ class GgufWriter {
   void SetString(const std::string& key, const std::string& v);
   void SetStringArray(const std::string& key, const std::vector<std::string>& v);
   void SetI32Array(const std::string& key, const std::vector<int32_t>& v);
+  void SetF32Array(const std::string& key, const std::vector<float>& v);
   // Adds a tensor; `ne` is ggml order (fastest first) and `data` must hold exactly its bytes.
   void AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, std::vector<uint8_t> data);
   std::vector<uint8_t> Serialize() const;

@@ -1,15 +1,17 @@
 #include "engine/tokenizer.h"
 
-#include "engine/utf8.h"
-
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+
+#include "engine/utf8.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <queue>
 #include <random>
 #include <unordered_map>
 #include <unordered_set>
@@ -246,6 +248,203 @@ class ByteBpeTokenizer final : public Tokenizer {
   std::unordered_map<std::string, int> whole_;  // raw bytes -> id, for ignore_merges
 };
 
+// SentencePiece-style BPE (Llama 1/2): spaces become U+2581 ("▁"), a "▁" is prepended, the text is split
+// into characters (unknown ones fall back to <0xXX> byte tokens), and adjacent symbols are merged in
+// priority order (merge rank from tokenizer.json, or the merged token's score from GGUF), equal priorities
+// left to right.
+class SpmBpeTokenizer final : public Tokenizer {
+ public:
+  // merges: rank order (tokenizer.json); scores: per token (GGUF). Exactly one is used: merges if given.
+  static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
+                                                     const std::vector<int32_t>& types,
+                                                     const std::vector<std::string>& merges,
+                                                     const std::vector<float>& scores, int bos, int eos, bool add_bos,
+                                                     bool add_prefix) {
+    auto t = std::unique_ptr<SpmBpeTokenizer>(new SpmBpeTokenizer());
+    const int n = static_cast<int>(tokens.size());
+    t->bytes_.resize(n);
+    t->special_.assign(n, false);
+    for (int b = 0; b < 256; ++b) t->byte_token_[b] = -1;
+    for (int i = 0; i < n; ++i) {
+      const std::string& s = tokens[i];
+      const int type = i < static_cast<int>(types.size()) ? types[i] : 1;
+      unsigned int byte = 0;
+      if (s.size() == 6 && s.compare(0, 3, "<0x") == 0 && s[5] == '>' &&
+          std::sscanf(s.c_str() + 3, "%2x", &byte) == 1) {
+        t->byte_token_[byte] = i;
+        t->bytes_[i] = std::string(1, static_cast<char>(byte));
+        continue;
+      }
+      if (type == 2 || type == 3 || type == 4) {  // unknown / control / user-defined
+        t->special_[i] = true;
+        t->bytes_[i] = s;
+        if (!s.empty() && type != 2) t->specials_.emplace_back(s, i);
+      } else {
+        std::string raw;
+        for (size_t p = 0; p < s.size();) {
+          if (s.compare(p, 3, "\xE2\x96\x81") == 0) {
+            raw += ' ';
+            p += 3;
+          } else {
+            raw += s[p++];
+          }
+        }
+        t->bytes_[i] = raw;
+      }
+      t->id_of_.emplace(s, i);
+    }
+    if (!merges.empty()) {
+      for (size_t r = 0; r < merges.size(); ++r) {
+        const size_t sp = merges[r].find(' ', 1);
+        if (sp == std::string::npos) return DataLoss("tokenizer: malformed merge #" + std::to_string(r));
+        auto a = t->id_of_.find(merges[r].substr(0, sp)), b = t->id_of_.find(merges[r].substr(sp + 1));
+        auto m = t->id_of_.find(merges[r].substr(0, sp) + merges[r].substr(sp + 1));
+        if (a == t->id_of_.end() || b == t->id_of_.end() || m == t->id_of_.end()) continue;
+        t->merge_.emplace(Key(a->second, b->second), std::make_pair(static_cast<float>(r), m->second));
+      }
+    } else {
+      t->scores_ = scores;
+      t->scores_.resize(n, 0.0f);
+      t->text_ = tokens;
+    }
+    std::sort(t->specials_.begin(), t->specials_.end(),
+              [](const auto& x, const auto& y) { return x.first.size() > y.first.size(); });
+    t->bos_id_ = bos;
+    t->eos_id_ = eos;
+    t->add_bos_ = add_bos;
+    t->add_prefix_ = add_prefix;
+    return std::unique_ptr<Tokenizer>(std::move(t));
+  }
+
+  std::vector<int> Encode(std::string_view text, bool parse_special) const override {
+    std::vector<int> out;
+    if (!parse_special || specials_.empty()) {
+      EncodeOrdinary(text, out, true);
+      return out;
+    }
+    size_t pos = 0;
+    bool first = true;
+    while (pos < text.size()) {
+      size_t best = std::string_view::npos, best_len = 0;
+      int best_id = -1;
+      for (const auto& [sp, id] : specials_) {
+        const size_t f = text.find(sp, pos);
+        if (f != std::string_view::npos && (f < best || (f == best && sp.size() > best_len))) {
+          best = f;
+          best_id = id;
+          best_len = sp.size();
+        }
+      }
+      if (best == std::string_view::npos) {
+        EncodeOrdinary(text.substr(pos), out, first);
+        break;
+      }
+      EncodeOrdinary(text.substr(pos, best - pos), out, first);
+      out.push_back(best_id);
+      first = false;
+      pos = best + best_len;
+    }
+    return out;
+  }
+
+  const std::string& TokenBytes(int id) const override {
+    static const std::string kEmpty;
+    return id >= 0 && id < static_cast<int>(bytes_.size()) ? bytes_[id] : kEmpty;
+  }
+  int vocab_size() const override { return static_cast<int>(bytes_.size()); }
+  bool IsSpecial(int id) const override { return id >= 0 && id < vocab_size() && special_[id]; }
+
+ private:
+  static uint64_t Key(int a, int b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
+
+  // Priority of merging symbols a and b (lower first) and the merged id; false if they cannot merge.
+  bool Merge(int a, int b, float* prio, int* merged) const {
+    if (!merge_.empty()) {
+      auto it = merge_.find(Key(a, b));
+      if (it == merge_.end()) return false;
+      *prio = it->second.first;
+      *merged = it->second.second;
+      return true;
+    }
+    if (text_.empty() || a >= static_cast<int>(text_.size()) || b >= static_cast<int>(text_.size())) return false;
+    auto it = id_of_.find(text_[a] + text_[b]);
+    if (it == id_of_.end()) return false;
+    *prio = -scores_[it->second];
+    *merged = it->second;
+    return true;
+  }
+
+  void EncodeOrdinary(std::string_view text, std::vector<int>& out, bool prefix) const {
+    if (text.empty()) return;
+    std::string norm;
+    if (add_prefix_ && prefix) norm = "\xE2\x96\x81";
+    for (char c : text) {
+      if (c == ' ')
+        norm += "\xE2\x96\x81";
+      else
+        norm += c;
+    }
+    // Characters to symbols (byte fallback for characters outside the vocabulary).
+    std::vector<int> sym;
+    for (size_t i = 0; i < norm.size();) {
+      size_t len = Utf8SequenceLength(norm, i);
+      if (len == 0) len = 1;
+      auto it = id_of_.find(norm.substr(i, len));
+      if (it != id_of_.end()) {
+        sym.push_back(it->second);
+      } else {
+        for (size_t k = 0; k < len; ++k) {
+          const int bt = byte_token_[static_cast<unsigned char>(norm[i + k])];
+          if (bt >= 0) sym.push_back(bt);
+        }
+      }
+      i += len;
+    }
+    const int n = static_cast<int>(sym.size());
+    std::vector<int> prev(n), next(n);
+    for (int i = 0; i < n; ++i) {
+      prev[i] = i - 1;
+      next[i] = i + 1 < n ? i + 1 : -1;
+    }
+    struct Cand {
+      float prio;
+      int left, a, b, merged;
+      bool operator>(const Cand& o) const { return prio > o.prio || (prio == o.prio && left > o.left); }
+    };
+    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> q;
+    auto push = [&](int l) {
+      if (l < 0 || next[l] < 0) return;
+      float p;
+      int m;
+      if (Merge(sym[l], sym[next[l]], &p, &m)) q.push({p, l, sym[l], sym[next[l]], m});
+    };
+    for (int i = 0; i + 1 < n; ++i) push(i);
+    while (!q.empty()) {
+      const Cand c = q.top();
+      q.pop();
+      const int r = next[c.left];
+      if (sym[c.left] != c.a || r < 0 || sym[r] != c.b) continue;  // stale
+      sym[c.left] = c.merged;
+      sym[r] = -1;
+      next[c.left] = next[r];
+      if (next[r] >= 0) prev[next[r]] = c.left;
+      push(prev[c.left]);
+      push(c.left);
+    }
+    for (int i = 0; i >= 0 && i < n; i = next[i]) out.push_back(sym[i]);
+  }
+
+  std::vector<std::string> bytes_;
+  std::vector<bool> special_;
+  std::vector<std::pair<std::string, int>> specials_;
+  std::unordered_map<std::string, int> id_of_;
+  std::unordered_map<uint64_t, std::pair<float, int>> merge_;
+  std::vector<float> scores_;
+  std::vector<std::string> text_;
+  int byte_token_[256];
+  bool add_prefix_ = true;
+};
+
 std::vector<std::string> StringArray(const GgufValue& v) {
   std::vector<std::string> out;
   out.reserve(v.array.size());
@@ -274,8 +473,34 @@ const std::vector<std::string>& ByteToUnicode() {
   return table;
 }
 
+namespace {
+StatusOr<std::unique_ptr<Tokenizer>> LoadSpmFromGguf(const GgufFile& f) {
+  const GgufValue* toks = f.Find("tokenizer.ggml.tokens");
+  if (!toks || toks->type != GgufType::kArray || toks->array_type != GgufType::kString || toks->array.empty()) {
+    return DataLoss("tokenizer: 'tokenizer.ggml.tokens' must be a non-empty string array");
+  }
+  std::vector<int32_t> types;
+  if (const GgufValue* tt = f.Find("tokenizer.ggml.token_type"); tt && tt->type == GgufType::kArray) {
+    for (const GgufValue& e : tt->array) types.push_back(static_cast<int32_t>(e.i));
+  }
+  std::vector<float> scores;
+  if (const GgufValue* sc = f.Find("tokenizer.ggml.scores"); sc && sc->type == GgufType::kArray) {
+    for (const GgufValue& e : sc->array) scores.push_back(static_cast<float>(e.f));
+  }
+  if (scores.size() != toks->array.size())
+    return DataLoss("tokenizer: 'tokenizer.ggml.scores' must have one score per token");
+  const int n = static_cast<int>(toks->array.size());
+  const int64_t bos = f.GetIntOr("tokenizer.ggml.bos_token_id", 1), eos = f.GetIntOr("tokenizer.ggml.eos_token_id", 2);
+  if (bos >= n || eos >= n) return DataLoss("tokenizer: BOS/EOS id outside the vocabulary");
+  return SpmBpeTokenizer::Create(StringArray(*toks), types, {}, scores, static_cast<int>(bos), static_cast<int>(eos),
+                                 f.GetBoolOr("tokenizer.ggml.add_bos_token", true),
+                                 f.GetBoolOr("tokenizer.ggml.add_space_prefix", true));
+}
+}  // namespace
+
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
   QKV_ASSIGN_OR_RETURN(std::string model, f.GetString("tokenizer.ggml.model"));
+  if (model == "llama") return LoadSpmFromGguf(f);
   if (model != "gpt2") {
     return Unimplemented("tokenizer: tokenizer.ggml.model '" + model + "' is not supported yet (supported: gpt2)");
   }
@@ -329,10 +554,8 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
   if (!j.contains("model") || !j["model"].is_object()) return InvalidArgument("tokenizer: no 'model' object");
   const auto& m = j["model"];
   if (m.value("type", "") != "BPE") return Unimplemented("tokenizer: only BPE models are supported");
-  if (m.value("byte_fallback", false)) {
-    return Unimplemented("tokenizer: byte_fallback (SentencePiece-style) BPE is not supported yet");
-  }
-  if (!m.contains("vocab") || !m["vocab"].is_object()) return InvalidArgument("tokenizer: model.vocab must be an object");
+  if (!m.contains("vocab") || !m["vocab"].is_object())
+    return InvalidArgument("tokenizer: model.vocab must be an object");
   // Vocabulary by id, added tokens included.
   std::vector<std::string> tokens;
   std::vector<int32_t> types;
@@ -365,9 +588,12 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
   std::vector<std::string> merges;
   if (m.contains("merges") && m["merges"].is_array()) {
     for (const auto& mg : m["merges"]) {
-      if (mg.is_string()) merges.push_back(mg.get<std::string>());
-      else if (mg.is_array() && mg.size() == 2) merges.push_back(mg[0].get<std::string>() + " " + mg[1].get<std::string>());
-      else return InvalidArgument("tokenizer: malformed merge");
+      if (mg.is_string())
+        merges.push_back(mg.get<std::string>());
+      else if (mg.is_array() && mg.size() == 2)
+        merges.push_back(mg[0].get<std::string>() + " " + mg[1].get<std::string>());
+      else
+        return InvalidArgument("tokenizer: malformed merge");
     }
   }
   // Pre-tokenizer: a Split with a Regex (alone or in a Sequence), else ByteLevel's own GPT-2 regex.
@@ -381,6 +607,22 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
     }
   };
   if (j.contains("pre_tokenizer")) scan(j["pre_tokenizer"]);
+  if (m.value("byte_fallback", false)) {  // SentencePiece-style (Llama 2): "▁" for spaces, byte fallback
+    bool prepend = false;
+    std::function<void(const nlohmann::json&)> scan_norm = [&](const nlohmann::json& n) {
+      if (!n.is_object()) return;
+      if (n.value("type", "") == "Sequence" && n.contains("normalizers")) {
+        for (const auto& q : n["normalizers"]) scan_norm(q);
+      } else if (n.value("type", "") == "Prepend") {
+        prepend = true;
+      }
+    };
+    if (j.contains("normalizer")) scan_norm(j["normalizer"]);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] == "<unk>") types[i] = 2;
+    }
+    return SpmBpeTokenizer::Create(tokens, types, merges, {}, bos, eos, /*add_bos=*/bos >= 0, prepend);
+  }
   // The NFC normalizer (Qwen) is not applied: input is expected in NFC, as most text is.
   return ByteBpeTokenizer::Create(tokens, types, merges, bos >= 0 ? bos : eos, eos, /*add_bos=*/bos >= 0 && bos != eos,
                                   pattern, m.value("ignore_merges", false));

