@@ -4,6 +4,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "engine/unicode_nfc.h"
 #include "engine/utf8.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
@@ -105,8 +106,10 @@ class ByteBpeTokenizer final : public Tokenizer {
   static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
                                                      const std::vector<int32_t>& types,
                                                      const std::vector<std::string>& merges, int bos, int eos,
-                                                     bool add_bos, const std::string& pattern, bool ignore_merges) {
+                                                     bool add_bos, const std::string& pattern, bool ignore_merges,
+                                                     bool nfc = false) {
     auto t = std::unique_ptr<ByteBpeTokenizer>(new ByteBpeTokenizer());
+    t->nfc_ = nfc;
     QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(pattern.c_str()));
     t->ignore_merges_ = ignore_merges;
     const int n = static_cast<int>(tokens.size());
@@ -167,8 +170,11 @@ class ByteBpeTokenizer final : public Tokenizer {
     return std::unique_ptr<Tokenizer>(std::move(t));
   }
 
-  std::vector<int> Encode(std::string_view text, bool parse_special) const override {
+  std::vector<int> Encode(std::string_view raw_text, bool parse_special) const override {
     std::vector<int> out;
+    std::string normalized;
+    if (nfc_) normalized = NfcNormalize(raw_text);
+    const std::string_view text = nfc_ ? std::string_view(normalized) : raw_text;
     if (!parse_special || specials_.empty()) {
       EncodeOrdinary(text, out);
       return out;
@@ -245,6 +251,7 @@ class ByteBpeTokenizer final : public Tokenizer {
   int byte_token_[256] = {};
   std::unordered_map<uint64_t, std::pair<int, int>> merge_;  // (a, b) -> (rank, merged id)
   bool ignore_merges_ = false;
+  bool nfc_ = false;                            // NFC-normalize input first (tokenizer.json "NFC" normalizer)
   std::unordered_map<std::string, int> whole_;  // raw bytes -> id, for ignore_merges
 };
 
@@ -623,9 +630,17 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
     }
     return SpmBpeTokenizer::Create(tokens, types, merges, {}, bos, eos, /*add_bos=*/bos >= 0, prepend);
   }
-  // The NFC normalizer (Qwen) is not applied: input is expected in NFC, as most text is.
+  bool nfc = false;
+  std::function<void(const nlohmann::json&)> scan_nfc = [&](const nlohmann::json& n) {
+    if (!n.is_object()) return;
+    if (n.value("type", "") == "NFC") nfc = true;
+    if (n.value("type", "") == "Sequence" && n.contains("normalizers")) {
+      for (const auto& q : n["normalizers"]) scan_nfc(q);
+    }
+  };
+  if (j.contains("normalizer")) scan_nfc(j["normalizer"]);
   return ByteBpeTokenizer::Create(tokens, types, merges, bos >= 0 ? bos : eos, eos, /*add_bos=*/bos >= 0 && bos != eos,
-                                  pattern, m.value("ignore_merges", false));
+                                  pattern, m.value("ignore_merges", false), nfc);
 }
 
 void BpeVocab::ToGguf(GgufWriter& w) const {

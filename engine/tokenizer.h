@@ -41,8 +41,8 @@ class Tokenizer {
 // From GGUF `tokenizer.ggml.*` (model gpt2; pre-tokenizers default/gpt-2, llama-bpe, qwen2).
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f);
 // From a Hugging Face tokenizer.json: byte-level BPE with a Split(Regex) and/or ByteLevel pre-tokenizer,
-// added tokens (matched only with parse_special) and ignore_merges. Not yet: the NFC normalizer (input is
-// taken as already NFC) and byte-fallback (SentencePiece-style) models.
+// the NFC normalizer, added tokens (matched only with parse_special) and ignore_merges; or
+// SentencePiece-style BPE (byte_fallback, Prepend/Replace "▁" normalizer) as Llama 2 uses.
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& path);
 
 // A byte-level BPE vocabulary in GGUF form: token strings in GPT-2's byte-to-unicode alphabet, token

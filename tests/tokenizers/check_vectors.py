@@ -67,7 +67,16 @@ def main():
         for i in bad[:5]:
             print(f"  mismatch {json.dumps(corpus[i])[:80]}: ours {ours[i][:12]} reference {ref[i][:12]}")
         failed += bool(bad) + bool(bad_rt)
-    print(f"tokenizer_vectors: {2 * len(PACKAGES) - failed} passed, {failed} failed")
+        if name == "qwen3":  # the NFC normalizer: decomposed input must give the ids of the composed text
+            with open(os.path.join(HERE, "nfc_corpus.json")) as f:
+                nfc_corpus = json.load(f)
+            with open(os.path.join(HERE, "qwen3_nfc.json")) as f:
+                nfc_ref = json.load(f)
+            got = run(bin_dir, ["--tokenizer", tok], [json.dumps(s) for s in nfc_corpus])
+            nbad = sum(a != b for a, b in zip(got, nfc_ref))
+            print(f"qwen3 NFC: {len(nfc_corpus) - nbad}/{len(nfc_corpus)} NFD/NFKD/NFC strings give the reference ids")
+            failed += bool(nbad)
+    print(f"tokenizer_vectors: {2 * len(PACKAGES) + 1 - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
