@@ -592,6 +592,33 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
       if (content == "<|begin_of_text|>" || content == "<s>") bos = static_cast<int>(id);
     }
   }
+  // tokenizer_config.json beside the file, when present, names BOS/EOS and whether BOS is added.
+  bool add_bos_cfg = false, have_add_bos = false;
+  {
+    const size_t slash = path.find_last_of('/');
+    const std::string cfg_path =
+        (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + "tokenizer_config.json";
+    std::ifstream cin(cfg_path);
+    const auto c = cin ? nlohmann::json::parse(cin, nullptr, false) : nlohmann::json();
+    if (c.is_object()) {
+      auto token_id = [&](const char* key) -> int {
+        if (!c.contains(key)) return -1;
+        const auto& v = c[key];
+        const std::string content =
+            v.is_string() ? v.get<std::string>() : (v.is_object() ? v.value("content", "") : "");
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          if (!content.empty() && tokens[i] == content) return static_cast<int>(i);
+        }
+        return -1;
+      };
+      if (int e = token_id("eos_token"); e >= 0) eos = e;
+      if (int b = token_id("bos_token"); b >= 0) bos = b;
+      if (c.contains("add_bos_token") && c["add_bos_token"].is_boolean()) {
+        have_add_bos = true;
+        add_bos_cfg = c["add_bos_token"].get<bool>();
+      }
+    }
+  }
   std::vector<std::string> merges;
   if (m.contains("merges") && m["merges"].is_array()) {
     for (const auto& mg : m["merges"]) {
@@ -628,7 +655,7 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
     for (size_t i = 0; i < tokens.size(); ++i) {
       if (tokens[i] == "<unk>") types[i] = 2;
     }
-    return SpmBpeTokenizer::Create(tokens, types, merges, {}, bos, eos, /*add_bos=*/bos >= 0, prepend);
+    return SpmBpeTokenizer::Create(tokens, types, merges, {}, bos, eos, have_add_bos ? add_bos_cfg : bos >= 0, prepend);
   }
   bool nfc = false;
   std::function<void(const nlohmann::json&)> scan_nfc = [&](const nlohmann::json& n) {
@@ -639,8 +666,9 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
     }
   };
   if (j.contains("normalizer")) scan_nfc(j["normalizer"]);
-  return ByteBpeTokenizer::Create(tokens, types, merges, bos >= 0 ? bos : eos, eos, /*add_bos=*/bos >= 0 && bos != eos,
-                                  pattern, m.value("ignore_merges", false), nfc);
+  return ByteBpeTokenizer::Create(tokens, types, merges, bos >= 0 ? bos : eos, eos,
+                                  have_add_bos ? add_bos_cfg : (bos >= 0 && bos != eos), pattern,
+                                  m.value("ignore_merges", false), nfc);
 }
 
 void BpeVocab::ToGguf(GgufWriter& w) const {

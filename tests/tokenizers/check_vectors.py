@@ -94,6 +94,12 @@ def main():
         for i in bad[:5]:
             print(f"  mismatch {json.dumps(corpus[i])[:80]}: ours {ours[i][:12]} reference {ref[i][:12]}")
         failed += bool(bad) + bool(bad_rt)
+        # BOS as tokenizer_config.json (or the model's convention) asks, only with --add-special.
+        want_bos = {"gpt2": [], "qwen3": [], "llama3": [128000], "llama2": [1]}[name]
+        got = run(bin_dir, ["--tokenizer", tok, "--add-special"], [json.dumps("Hello world")])[0]
+        ok_bos = got[:len(want_bos)] == want_bos and got[len(want_bos):] == run(bin_dir, ["--tokenizer", tok], [json.dumps("Hello world")])[0]
+        print(f"{name}: --add-special gives {got}" + ("" if ok_bos else " (WRONG)"))
+        failed += not ok_bos
         if name in ("qwen3", "llama3", "gpt2"):  # the same vocabulary through GGUF metadata (llama.cpp's keys)
             pre = {"qwen3": "qwen2", "llama3": "llama-bpe", "gpt2": "gpt-2"}[name]
             gpath = os.path.join(CACHE, name, "tokenizer-only.gguf")
@@ -111,7 +117,7 @@ def main():
             nbad = sum(a != b for a, b in zip(got, nfc_ref))
             print(f"qwen3 NFC: {len(nfc_corpus) - nbad}/{len(nfc_corpus)} NFD/NFKD/NFC strings give the reference ids")
             failed += bool(nbad)
-    print(f"tokenizer_vectors: {2 * len(PACKAGES) + 4 - failed} passed, {failed} failed")
+    print(f"tokenizer_vectors: {3 * len(PACKAGES) + 4 - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
