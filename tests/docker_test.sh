@@ -13,6 +13,10 @@ cleanup() {
 }
 trap cleanup EXIT
 out=$(bash tools/docker-build.sh 2>&1); rc=$?
+if [ $rc -ne 0 ] && [ $rc -ne 3 ]; then  # one retry: a transient mirror failure should not fail CI
+  echo "docker_test: image build failed (rc=$rc), retrying once"
+  out=$(bash tools/docker-build.sh 2>&1); rc=$?
+fi
 if [ $rc -eq 3 ]; then
   echo "################################################################"
   echo "SKIP docker_test: no Docker engine here: $(tail -n 1 <<<"$out")"
