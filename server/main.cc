@@ -84,9 +84,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "compute threads (default: the number of cores)");
   app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
-  app.add_option(
-      "--kv-cache-bytes", kv_bytes_s,
-      "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 GiB)");
+  app.add_option("--kv-cache-bytes", kv_bytes_s,
+                 "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 "
+                 "GiB and 1024 full contexts)");
   app.add_option("--block-size", block_size, "tokens per KV block")->capture_default_str()->check(CLI::Range(1, 1024));
   app.add_option("--max-num-batched-tokens", max_batched, "tokens per engine step")
       ->capture_default_str()
