@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <queue>
 #include <random>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -97,9 +98,69 @@ class Pcre2Splitter {
   pcre2_code* code_ = nullptr;
 };
 
+// What both BPE tokenizers share: per-token bytes, the special/added tokens, and the splitting of text on
+// special-token text (only when the caller asks) around the family's own encoding of ordinary text.
+class VocabTokenizer : public Tokenizer {
+ public:
+  std::vector<int> Encode(std::string_view raw_text, bool parse_special) const final {
+    std::vector<int> out;
+    std::string normalized;
+    if (nfc_) normalized = NfcNormalize(raw_text);
+    const std::string_view text = nfc_ ? std::string_view(normalized) : raw_text;
+    if (!parse_special || specials_.empty()) {
+      EncodeOrdinary(text, out, /*first=*/true);
+      return out;
+    }
+    size_t pos = 0;
+    bool first = true;
+    while (pos < text.size()) {
+      size_t best = std::string_view::npos, best_len = 0;
+      int best_id = -1;
+      for (const auto& [sp, id] : specials_) {
+        const size_t f = text.find(sp, pos);
+        if (f != std::string_view::npos && (f < best || (f == best && sp.size() > best_len))) {
+          best = f;
+          best_id = id;
+          best_len = sp.size();
+        }
+      }
+      if (best == std::string_view::npos) {
+        EncodeOrdinary(text.substr(pos), out, first);
+        break;
+      }
+      EncodeOrdinary(text.substr(pos, best - pos), out, first);
+      out.push_back(best_id);
+      first = false;
+      pos = best + best_len;
+    }
+    return out;
+  }
+
+  const std::string& TokenBytes(int id) const final {
+    static const std::string kEmpty;
+    return id >= 0 && id < static_cast<int>(bytes_.size()) ? bytes_[id] : kEmpty;
+  }
+  int vocab_size() const final { return static_cast<int>(bytes_.size()); }
+  bool IsSpecial(int id) const final { return id >= 0 && id < vocab_size() && special_[id]; }
+
+ protected:
+  static uint64_t Key(int a, int b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
+  // Encodes text holding no special token; `first` is true for the first segment of the input.
+  virtual void EncodeOrdinary(std::string_view text, std::vector<int>& out, bool first) const = 0;
+  // Longest specials first so that overlapping ones match greedily.
+  void SortSpecials() {
+    std::sort(specials_.begin(), specials_.end(),
+              [](const auto& x, const auto& y) { return x.first.size() > y.first.size(); });
+  }
+
+  std::vector<std::string> bytes_;
+  std::vector<bool> special_;
+  std::vector<std::pair<std::string, int>> specials_;
+  bool nfc_ = false;  // NFC-normalize input first (tokenizer.json "NFC" normalizer)
+};
 // Byte-level BPE over token ids: each byte starts as its byte token; the lowest-ranked adjacent pair
 // is merged until no pair has a rank.
-class ByteBpeTokenizer final : public Tokenizer {
+class ByteBpeTokenizer final : public VocabTokenizer {
  public:
   // tokens in GPT-2's byte alphabet; types 3/4 mark special/added tokens; merges "a b" in rank order;
   // pattern: the pre-tokenizer regex; ignore_merges: a pre-token that is itself a token is emitted whole.
@@ -161,59 +222,15 @@ class ByteBpeTokenizer final : public Tokenizer {
       if (ia == id_of.end() || ib == id_of.end() || im == id_of.end()) continue;  // unusable merge
       t->merge_.emplace(Key(ia->second, ib->second), std::make_pair(static_cast<int>(r), im->second));
     }
-    // Longest specials first so that overlapping ones match greedily.
-    std::sort(t->specials_.begin(), t->specials_.end(),
-              [](const auto& x, const auto& y) { return x.first.size() > y.first.size(); });
+    t->SortSpecials();
     t->bos_id_ = bos;
     t->eos_id_ = eos;
     t->add_bos_ = add_bos;
     return std::unique_ptr<Tokenizer>(std::move(t));
   }
 
-  std::vector<int> Encode(std::string_view raw_text, bool parse_special) const override {
-    std::vector<int> out;
-    std::string normalized;
-    if (nfc_) normalized = NfcNormalize(raw_text);
-    const std::string_view text = nfc_ ? std::string_view(normalized) : raw_text;
-    if (!parse_special || specials_.empty()) {
-      EncodeOrdinary(text, out);
-      return out;
-    }
-    size_t pos = 0;
-    while (pos < text.size()) {
-      size_t best = std::string_view::npos;
-      int best_id = -1;
-      size_t best_len = 0;
-      for (const auto& [s, id] : specials_) {
-        const size_t f = text.find(s, pos);
-        if (f != std::string_view::npos && (f < best || (f == best && s.size() > best_len))) {
-          best = f;
-          best_id = id;
-          best_len = s.size();
-        }
-      }
-      if (best == std::string_view::npos) {
-        EncodeOrdinary(text.substr(pos), out);
-        break;
-      }
-      EncodeOrdinary(text.substr(pos, best - pos), out);
-      out.push_back(best_id);
-      pos = best + best_len;
-    }
-    return out;
-  }
-
-  const std::string& TokenBytes(int id) const override {
-    static const std::string kEmpty;
-    return id >= 0 && id < static_cast<int>(bytes_.size()) ? bytes_[id] : kEmpty;
-  }
-  int vocab_size() const override { return static_cast<int>(bytes_.size()); }
-  bool IsSpecial(int id) const override { return id >= 0 && id < vocab_size() && special_[id]; }
-
  private:
-  static uint64_t Key(int a, int b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
-
-  void EncodeOrdinary(std::string_view text, std::vector<int>& out) const {
+  void EncodeOrdinary(std::string_view text, std::vector<int>& out, bool /*first*/) const override {
     if (text.empty()) return;
     std::vector<int> sym;
     splitter_->Split(text, [&](std::string_view piece) {
@@ -245,13 +262,9 @@ class ByteBpeTokenizer final : public Tokenizer {
   }
 
   std::unique_ptr<Pcre2Splitter> splitter_;
-  std::vector<std::string> bytes_;
-  std::vector<bool> special_;
-  std::vector<std::pair<std::string, int>> specials_;
   int byte_token_[256] = {};
   std::unordered_map<uint64_t, std::pair<int, int>> merge_;  // (a, b) -> (rank, merged id)
   bool ignore_merges_ = false;
-  bool nfc_ = false;                            // NFC-normalize input first (tokenizer.json "NFC" normalizer)
   std::unordered_map<std::string, int> whole_;  // raw bytes -> id, for ignore_merges
 };
 
@@ -259,7 +272,7 @@ class ByteBpeTokenizer final : public Tokenizer {
 // into characters (unknown ones fall back to <0xXX> byte tokens), and adjacent symbols are merged in
 // priority order (merge rank from tokenizer.json, or the merged token's score from GGUF), equal priorities
 // left to right.
-class SpmBpeTokenizer final : public Tokenizer {
+class SpmBpeTokenizer final : public VocabTokenizer {
  public:
   // merges: rank order (tokenizer.json); scores: per token (GGUF). Exactly one is used: merges if given.
   static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
@@ -314,8 +327,7 @@ class SpmBpeTokenizer final : public Tokenizer {
       t->scores_.resize(n, 0.0f);
       t->text_ = tokens;
     }
-    std::sort(t->specials_.begin(), t->specials_.end(),
-              [](const auto& x, const auto& y) { return x.first.size() > y.first.size(); });
+    t->SortSpecials();
     t->bos_id_ = bos;
     t->eos_id_ = eos;
     t->add_bos_ = add_bos;
@@ -323,47 +335,7 @@ class SpmBpeTokenizer final : public Tokenizer {
     return std::unique_ptr<Tokenizer>(std::move(t));
   }
 
-  std::vector<int> Encode(std::string_view text, bool parse_special) const override {
-    std::vector<int> out;
-    if (!parse_special || specials_.empty()) {
-      EncodeOrdinary(text, out, true);
-      return out;
-    }
-    size_t pos = 0;
-    bool first = true;
-    while (pos < text.size()) {
-      size_t best = std::string_view::npos, best_len = 0;
-      int best_id = -1;
-      for (const auto& [sp, id] : specials_) {
-        const size_t f = text.find(sp, pos);
-        if (f != std::string_view::npos && (f < best || (f == best && sp.size() > best_len))) {
-          best = f;
-          best_id = id;
-          best_len = sp.size();
-        }
-      }
-      if (best == std::string_view::npos) {
-        EncodeOrdinary(text.substr(pos), out, first);
-        break;
-      }
-      EncodeOrdinary(text.substr(pos, best - pos), out, first);
-      out.push_back(best_id);
-      first = false;
-      pos = best + best_len;
-    }
-    return out;
-  }
-
-  const std::string& TokenBytes(int id) const override {
-    static const std::string kEmpty;
-    return id >= 0 && id < static_cast<int>(bytes_.size()) ? bytes_[id] : kEmpty;
-  }
-  int vocab_size() const override { return static_cast<int>(bytes_.size()); }
-  bool IsSpecial(int id) const override { return id >= 0 && id < vocab_size() && special_[id]; }
-
  private:
-  static uint64_t Key(int a, int b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
-
   // Priority of merging symbols a and b (lower first) and the merged id; false if they cannot merge.
   bool Merge(int a, int b, float* prio, int* merged) const {
     if (!merge_.empty()) {
@@ -381,7 +353,7 @@ class SpmBpeTokenizer final : public Tokenizer {
     return true;
   }
 
-  void EncodeOrdinary(std::string_view text, std::vector<int>& out, bool prefix) const {
+  void EncodeOrdinary(std::string_view text, std::vector<int>& out, bool prefix) const override {
     if (text.empty()) return;
     std::string norm;
     if (add_prefix_ && prefix) norm = "\xE2\x96\x81";
@@ -441,9 +413,6 @@ class SpmBpeTokenizer final : public Tokenizer {
     for (int i = 0; i >= 0 && i < n; i = next[i]) out.push_back(sym[i]);
   }
 
-  std::vector<std::string> bytes_;
-  std::vector<bool> special_;
-  std::vector<std::pair<std::string, int>> specials_;
   std::unordered_map<std::string, int> id_of_;
   std::unordered_map<uint64_t, std::pair<float, int>> merge_;
   std::vector<float> scores_;
@@ -641,34 +610,26 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
     }
   };
   if (j.contains("pre_tokenizer")) scan(j["pre_tokenizer"]);
+  // Normalizer types, flattened out of any Sequence: "Prepend" (SentencePiece's "▁"), "NFC".
+  std::set<std::string> normalizers;
+  std::function<void(const nlohmann::json&)> scan_norm = [&](const nlohmann::json& n) {
+    if (!n.is_object()) return;
+    normalizers.insert(n.value("type", ""));
+    if (n.value("type", "") == "Sequence" && n.contains("normalizers")) {
+      for (const auto& q : n["normalizers"]) scan_norm(q);
+    }
+  };
+  if (j.contains("normalizer")) scan_norm(j["normalizer"]);
   if (m.value("byte_fallback", false)) {  // SentencePiece-style (Llama 2): "▁" for spaces, byte fallback
-    bool prepend = false;
-    std::function<void(const nlohmann::json&)> scan_norm = [&](const nlohmann::json& n) {
-      if (!n.is_object()) return;
-      if (n.value("type", "") == "Sequence" && n.contains("normalizers")) {
-        for (const auto& q : n["normalizers"]) scan_norm(q);
-      } else if (n.value("type", "") == "Prepend") {
-        prepend = true;
-      }
-    };
-    if (j.contains("normalizer")) scan_norm(j["normalizer"]);
     for (size_t i = 0; i < tokens.size(); ++i) {
       if (tokens[i] == "<unk>") types[i] = 2;
     }
-    return SpmBpeTokenizer::Create(tokens, types, merges, {}, bos, eos, have_add_bos ? add_bos_cfg : bos >= 0, prepend);
+    return SpmBpeTokenizer::Create(tokens, types, merges, {}, bos, eos, have_add_bos ? add_bos_cfg : bos >= 0,
+                                   normalizers.count("Prepend") > 0);
   }
-  bool nfc = false;
-  std::function<void(const nlohmann::json&)> scan_nfc = [&](const nlohmann::json& n) {
-    if (!n.is_object()) return;
-    if (n.value("type", "") == "NFC") nfc = true;
-    if (n.value("type", "") == "Sequence" && n.contains("normalizers")) {
-      for (const auto& q : n["normalizers"]) scan_nfc(q);
-    }
-  };
-  if (j.contains("normalizer")) scan_nfc(j["normalizer"]);
   return ByteBpeTokenizer::Create(tokens, types, merges, bos >= 0 ? bos : eos, eos,
                                   have_add_bos ? add_bos_cfg : (bos >= 0 && bos != eos), pattern,
-                                  m.value("ignore_merges", false), nfc);
+                                  m.value("ignore_merges", false), normalizers.count("NFC") > 0);
 }
 
 void BpeVocab::ToGguf(GgufWriter& w) const {
