@@ -318,8 +318,8 @@ void Engine::Step() {
   const auto step_start = Clock::now();
   counters_.batch_tokens.Observe(plan.n_tokens);
 
-  std::vector<BatchChunk> batch;
-  batch.reserve(plan.chunks.size());
+  std::vector<BatchChunk>& batch = step_batch_;  // scratch reused every step: nothing allocated per token
+  batch.clear();
   const auto now = Clock::now();
   for (const ScheduledChunk& c : plan.chunks) {
     Sequence* s = c.seq;
@@ -330,7 +330,8 @@ void Engine::Step() {
     batch.push_back(
         {&s->ctx.kv, std::span<const int>(s->ctx.tokens.data() + s->ctx.kv.n_tokens, c.n_tokens), c.all_logits});
   }
-  std::vector<int> starts;
+  std::vector<int>& starts = step_starts_;
+  starts.clear();
   for (const ScheduledChunk& c : plan.chunks) starts.push_back(c.seq->ctx.kv.n_tokens);
   const Status st = model_.Forward(batch);
   if (!st.ok()) {
@@ -341,7 +342,8 @@ void Engine::Step() {
   }
   const int V = model_.config().vocab;
   const Tokenizer& tok = model_.tokenizer();
-  std::vector<float> row(V);
+  std::vector<float>& row = step_row_;
+  row.resize(V);
   int r = 0;
   std::vector<std::pair<Sequence*, std::pair<FinishReason, std::string>>> done;
   for (size_t ci = 0; ci < plan.chunks.size(); ++ci) {
@@ -371,7 +373,8 @@ void Engine::Step() {
       lp.token = next;
       lp.logprob = last[next] - m - lse;
       if (s->params.logprobs > 0) {
-        std::vector<int> idx(V);
+        std::vector<int>& idx = step_idx_;
+        idx.resize(V);
         for (int i = 0; i < V; ++i) idx[i] = i;
         const int k = std::min(V, s->params.logprobs);
         std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
@@ -559,7 +562,8 @@ void Engine::PublishStats() {
   s.kv_bytes_per_token = model_.kv().shape().bytes_per_token();
   s.tokens_capacity = s.blocks_total * B;
   // Token slots holding K/V: per used block, the most positions any owner has filled in it.
-  std::vector<int> filled(static_cast<size_t>(s.blocks_total), 0);
+  std::vector<int>& filled = stats_filled_;
+  filled.assign(static_cast<size_t>(s.blocks_total), 0);
   auto account = [&](const SeqKv& kv) {
     for (size_t i = 0; i < kv.blocks.size(); ++i) {
       const int n = std::clamp(kv.n_tokens - static_cast<int>(i) * B, 0, B);

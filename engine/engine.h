@@ -158,6 +158,10 @@ class Engine {
   std::map<std::pair<std::string, std::string>, uint64_t> by_request_id_;
   std::map<std::pair<std::string, std::string>, std::unique_ptr<Session>> sessions_;
   EngineStats counters_;
+  // Per-step scratch, kept so that the step loop does not allocate.
+  std::vector<BatchChunk> step_batch_;
+  std::vector<int> step_starts_, step_idx_, stats_filled_;
+  std::vector<float> step_row_;
 
   mutable std::mutex stats_mu_;
   EngineStats published_;

@@ -33,7 +33,7 @@ int Fail(const std::string& msg) {
 
 // Where the default model is looked for, in order: $QKVSERVE_MODEL, the install's share directory next to
 // the binary, the source tree's models/.
-std::string ResolveDefaultModel(const char* argv0, std::vector<std::string>* looked) {
+std::string ResolveDefaultModel(std::vector<std::string>* looked) {
   if (const char* env = std::getenv("QKVSERVE_MODEL"); env && *env) return env;
   std::error_code ec;
   const auto exe = std::filesystem::canonical("/proc/self/exe", ec);
@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
 
   if (model.empty()) {
     std::vector<std::string> looked;
-    model = ResolveDefaultModel(argv[0], &looked);
+    model = ResolveDefaultModel(&looked);
     if (model.empty()) {
       std::string where;
       for (const auto& l : looked) where += " " + l;
