@@ -58,8 +58,4 @@ void Bf16ToF32Bulk(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
 }
 
-void RoundToBf16InPlace(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = Bf16ToF32(F32ToBf16(x[i]));
-}
-
 }  // namespace qkv

@@ -27,7 +27,5 @@ uint16_t F32ToF16(float f);
 
 void F32ToBf16Bulk(const float* src, uint16_t* dst, int64_t n);
 void Bf16ToF32Bulk(const uint16_t* src, float* dst, int64_t n);
-// Rounds f32 values to the nearest bf16 and back, in place.
-void RoundToBf16InPlace(float* x, int64_t n);
 
 }  // namespace qkv
