@@ -76,6 +76,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), DTypeName(opt.weights_dtype),
                m->weight_bytes_ / 1e6, opt.n_threads);
+  spdlog::info("gemm: cpu isa {}; {}", GemmRuntime::CpuIsa(), m->rt_->Summary());
   for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
   const ModelConfig& c = m->cfg_;
   m->max_ctx_ = opt.max_context > 0 ? std::min(opt.max_context, c.context_length) : c.context_length;
@@ -226,12 +227,13 @@ size_t Model::scratch_bytes() const {
   return n + rt_->scratch_bytes();
 }
 
-void Model::ToComputeInput(const float* x, int rows, int k) {
-  if (opt_.weights_dtype == DType::kBF16) F32ToBf16Bulk(x, in_lp_.data(), static_cast<int64_t>(rows) * k);
-}
-
-const void* Model::ComputeInput(const float* x) const {
-  return opt_.weights_dtype == DType::kBF16 ? static_cast<const void*>(in_lp_.data()) : static_cast<const void*>(x);
+void Model::RunLinear(const Linear& lin, const float* x, int rows, float* y) {
+  const void* in = x;
+  if (lin.input_dtype() == DType::kBF16) {
+    F32ToBf16Bulk(x, in_lp_.data(), static_cast<int64_t>(rows) * lin.k());
+    in = in_lp_.data();
+  }
+  lin.Forward(in, rows, y);
 }
 
 namespace {
@@ -320,9 +322,8 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
 #pragma omp parallel for num_threads(nthr) if (T > 1)
     for (int t = 0; t < T; ++t)
       RmsNorm(&x_[static_cast<size_t>(t) * H], L.attn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
-    ToComputeInput(h_.data(), T, H);
     timer.Mark(pf.norms);
-    L.qkv->Forward(ComputeInput(h_.data()), T, qkv_.data());
+    RunLinear(*L.qkv, h_.data(), T, qkv_.data());
     timer.Mark(pf.qkv);
 
     // q/k norm, RoPE (Q and K only; V is stored as projected), then K/V into the cache.
@@ -362,18 +363,16 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
         for (int i = 0; i < q_dim; ++i) a[i] *= 1.0f / (1.0f + FastExp(-gt[i]));
       }
     }
-    ToComputeInput(attn_.data(), T, q_dim);
     timer.Mark(pf.attention);
-    L.o->Forward(ComputeInput(attn_.data()), T, tmp_.data());
+    RunLinear(*L.o, attn_.data(), T, tmp_.data());
     AddInPlace(x_.data(), tmp_.data(), T * H);
     timer.Mark(pf.o);
 
 #pragma omp parallel for num_threads(nthr) if (T > 1)
     for (int t = 0; t < T; ++t)
       RmsNorm(&x_[static_cast<size_t>(t) * H], L.ffn_norm.data(), &h_[static_cast<size_t>(t) * H], H, eps);
-    ToComputeInput(h_.data(), T, H);
     timer.Mark(pf.norms);
-    L.gate_up->Forward(ComputeInput(h_.data()), T, gu_.data());
+    RunLinear(*L.gate_up, h_.data(), T, gu_.data());
     timer.Mark(pf.ffn_up);
     const int F = c.ffn;
 #pragma omp parallel for num_threads(nthr) if (T > 1)
@@ -381,9 +380,8 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
       const float* g = &gu_[static_cast<size_t>(t) * 2 * F];
       SiluMul(g, g + F, &act_[static_cast<size_t>(t) * F], F);
     }
-    ToComputeInput(act_.data(), T, F);
     timer.Mark(pf.ffn_act);
-    L.down->Forward(ComputeInput(act_.data()), T, tmp_.data());
+    RunLinear(*L.down, act_.data(), T, tmp_.data());
     AddInPlace(x_.data(), tmp_.data(), T * H);
     timer.Mark(pf.ffn_down);
   }
@@ -402,8 +400,7 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
   for (int r = 0; r < rows; ++r) {
     RmsNorm(&x_[static_cast<size_t>(logit_src_[r]) * H], final_norm_.data(), &h_[static_cast<size_t>(r) * H], H, eps);
   }
-  ToComputeInput(h_.data(), rows, H);
-  lm_head_->Forward(ComputeInput(h_.data()), rows, logits_.data());
+  RunLinear(*lm_head_, h_.data(), rows, logits_.data());
   timer.Mark(pf.lm_head);
   logits_rows_ = rows;
   for (const BatchChunk& ch : batch) ch.seq->n_tokens += static_cast<int>(ch.tokens.size());

@@ -96,8 +96,8 @@ class Model {
     std::unique_ptr<Linear> qkv, o, gate_up, down;
   };
   Status LoadWeights(const GgufFile& f);
-  void ToComputeInput(const float* x, int rows, int k);  // into in_lp_ (bf16) when weights are bf16
-  const void* ComputeInput(const float* x) const;
+  // lin.Forward on f32 rows x, through in_lp_ when the layer takes bf16 input.
+  void RunLinear(const Linear& lin, const float* x, int rows, float* y);
 
   ModelConfig cfg_;
   ModelOptions opt_;

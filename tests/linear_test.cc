@@ -33,16 +33,17 @@ void CheckRows(DType dt, Shape s, int threads, const std::vector<int>& ms) {
   for (auto& x : xf) x = u(rng);
   std::vector<uint16_t> xb(xf.size());
   F32ToBf16Bulk(xf.data(), xb.data(), static_cast<int64_t>(xf.size()));
-  const void* x = dt == DType::kF32 ? static_cast<const void*>(xf.data()) : static_cast<const void*>(xb.data());
-  const size_t esz = DTypeBytes(dt);
+  const DType in = (*lin)->input_dtype();
+  const void* x = in == DType::kF32 ? static_cast<const void*>(xf.data()) : static_cast<const void*>(xb.data());
+  const size_t esz = DTypeBytes(in);
 
   // Reference: each row alone.
-  std::vector<float> alone(static_cast<size_t>(max_m) * s.n), y1(static_cast<size_t>(PaddedRows(1)) * s.n);
+  std::vector<float> alone(static_cast<size_t>(max_m) * s.n), y1(s.n);
   for (int r = 0; r < max_m; ++r) {
     (*lin)->Forward(static_cast<const uint8_t*>(x) + esz * r * s.k, 1, y1.data());
     std::memcpy(&alone[static_cast<size_t>(r) * s.n], y1.data(), sizeof(float) * s.n);
   }
-  std::vector<float> y(static_cast<size_t>(cap) * s.n);
+  std::vector<float> y(static_cast<size_t>(max_m) * s.n);
   for (int m : ms) {
     (*lin)->Forward(x, m, y.data());
     for (int r = 0; r < m; ++r) {

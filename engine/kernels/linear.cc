@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 namespace qkv {
@@ -44,10 +45,43 @@ StatusOr<DType> ParseDType(const std::string& s) {
   return InvalidArgument("dtype must be bf16 or f32, got '" + s + "'");
 }
 
+// Smallest buckets a layer may be restricted to (see Linear::Create); PaddedRows covers the largest.
+constexpr int kMinBuckets[] = {1, 16, 32};
+
 int PaddedRows(int m) {
   const int full = m / kTileRows * kTileRows;
   const int rem = m - full;
-  return rem == 0 ? full : full + kBuckets[BucketIndex(rem)];
+  return rem == 0 ? full : full + std::max(kBuckets[BucketIndex(rem)], 32);
+}
+
+const char* GemmBackendName(GemmBackend b) { return b == GemmBackend::kOneDnn ? "onednn" : "packed"; }
+
+StatusOr<std::optional<GemmBackend>> GemmBackendFromEnv() {
+  const char* v = std::getenv("QKV_GEMM");
+  if (!v || !*v || std::string(v) == "auto") return std::optional<GemmBackend>();
+  if (std::string(v) == "packed") return std::optional<GemmBackend>(GemmBackend::kPacked);
+  if (std::string(v) == "onednn") return std::optional<GemmBackend>(GemmBackend::kOneDnn);
+  return InvalidArgument(std::string("QKV_GEMM must be auto, packed or onednn, got '") + v + "'");
+}
+
+std::string GemmRuntime::CpuIsa() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::sse41: return "sse41";
+    case dnnl::cpu_isa::avx: return "avx";
+    case dnnl::cpu_isa::avx2: return "avx2";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
+    case dnnl::cpu_isa::avx512_core: return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
+    default: return "other";
+  }
+}
+
+std::string GemmRuntime::Summary() const {
+  std::string s;
+  for (const auto& l : layers_) s += (s.empty() ? "" : " + ") + l;
+  return s;
 }
 
 GemmRuntime::GemmRuntime(int n_threads) : n_threads_(std::max(1, n_threads)), engine_(dnnl::engine::kind::cpu, 0) {
@@ -123,15 +157,52 @@ std::vector<std::string> GemmRuntime::KernelLog() const {
 StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w, const float* bias, int n, int k,
                                                  DType dt) {
   if (n <= 0 || k <= 0) return InvalidArgument("linear: empty shape");
+  QKV_ASSIGN_OR_RETURN(std::optional<GemmBackend> forced, GemmBackendFromEnv());
   auto lin = std::unique_ptr<Linear>(new Linear());
   lin->rt_ = &rt;
   lin->n_ = n;
   lin->k_ = k;
   lin->dt_ = dt;
+  const std::string shape = std::to_string(n) + "x" + std::to_string(k) + " " + DTypeName(dt);
+  if (forced != GemmBackend::kPacked) {
+    std::string why;
+    for (int min_bucket : kMinBuckets) {
+      Status st = lin->CreateOneDnn(w, bias, min_bucket);
+      if (st.ok()) {
+        rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() +
+                     (min_bucket > 1 ? " (M >= " + std::to_string(min_bucket) + ")" : ""));
+        return lin;
+      }
+      why = st.message();
+      lin->slices_.clear();
+      if (st.code() != StatusCode::kFailedPrecondition) break;  // no kernel at all: padding will not help
+    }
+    if (forced == GemmBackend::kOneDnn) return Internal("linear " + shape + ": QKV_GEMM=onednn: " + why);
+    spdlog::debug("linear {}: packed GEMM ({})", shape, why);
+  }
+  lin->packed_ = std::make_unique<PackedWeights>(w, bias, n, k, dt == DType::kBF16);
+  lin->weight_bytes_ = lin->packed_->bytes();
+  const int nthr = rt.n_threads();
+  const int panels = lin->packed_->panels();
+  lin->panel_bounds_.resize(nthr + 1);
+  for (int t = 0; t <= nthr; ++t) lin->panel_bounds_[t] = static_cast<int>(static_cast<int64_t>(panels) * t / nthr);
+  rt.NoteLayer(std::string("packed avx2 f32 x ") + DTypeName(dt));
+  return lin;
+}
+
+// oneDNN for buckets >= min_bucket. FailedPrecondition when the buckets' kernels differ (or are not
+// brgemm, whose row order is M-independent), Internal when oneDNN has no kernel.
+Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket) {
+  GemmRuntime& rt = *rt_;
+  const int n = n_, k = k_;
+  const DType dt = dt_;
+  weight_bytes_ = 0;
+  first_bucket_ = BucketIndex(min_bucket);
   const int nthr = rt.n_threads();
   // Slices are multiples of 16 columns (a full f32 vector) so that a column never straddles two threads.
   const int units = (n + 15) / 16;
   int unit0 = 0;
+  std::string kernel;
   for (int t = 0; t < nthr; ++t) {
     const int u = units / nthr + (t < units % nthr ? 1 : 0);
     Slice s;
@@ -141,6 +212,21 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
     if (s.n <= 0) continue;
     try {
       QKV_ASSIGN_OR_RETURN(memory::desc wd, rt.PreferredWeights(s.n, k, n, dt, bias != nullptr));
+      s.buckets.resize(kNumBuckets);
+      for (int b = first_bucket_; b < kNumBuckets; ++b) {
+        QKV_ASSIGN_OR_RETURN(const GemmRuntime::Prim* p, rt.Get(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
+        const std::string impl = p->pd.impl_info_str();
+        if (impl.rfind("brg:", 0) != 0 || (!kernel.empty() && impl != kernel)) {
+          return FailedPrecondition("oneDNN picks " + (kernel.empty() ? impl : kernel + " and " + impl) +
+                                    " across the M buckets from " + std::to_string(min_bucket));
+        }
+        kernel = impl;
+        Slice::Bucket& bk = s.buckets[b];
+        bk.p = p;
+        bk.src = memory(p->pd.src_desc(), rt.engine(), DNNL_MEMORY_NONE);
+        bk.dst = memory(p->pd.dst_desc(), rt.engine(), DNNL_MEMORY_NONE);
+        bk.scratch = memory(p->pd.scratchpad_desc(), rt.engine(), DNNL_MEMORY_NONE);
+      }
       // Source: rows n0..n0+n of W ([n][k] row-major) viewed as a k x n matrix.
       memory::desc user({k, s.n}, memory::data_type::f32, memory::dims{1, k});
       memory user_mem(user, rt.engine(), const_cast<float*>(w + static_cast<size_t>(s.n0) * k));
@@ -148,55 +234,56 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
       dnnl::stream st(rt.engine());
       dnnl::reorder(user_mem, s.weights).execute(st, user_mem, s.weights);
       st.wait();
-      lin->weight_bytes_ += wd.get_size();
+      weight_bytes_ += wd.get_size();
       if (bias) {
         s.bias = memory({{1, s.n}, memory::data_type::f32, tag::ab}, rt.engine());
         std::memcpy(s.bias.get_data_handle(), bias + s.n0, sizeof(float) * s.n);
       }
-      for (int b = 0; b < kNumBuckets; ++b) {
-        QKV_ASSIGN_OR_RETURN(const GemmRuntime::Prim* p, rt.Get(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
-        Slice::Bucket bk;
-        bk.p = p;
-        bk.src = memory(p->pd.src_desc(), rt.engine(), DNNL_MEMORY_NONE);
-        bk.dst = memory(p->pd.dst_desc(), rt.engine(), DNNL_MEMORY_NONE);
-        bk.scratch = memory(p->pd.scratchpad_desc(), rt.engine(), DNNL_MEMORY_NONE);
+      for (int b = first_bucket_; b < kNumBuckets; ++b) {
+        Slice::Bucket& bk = s.buckets[b];
         // Built once: the memories are handles, so Forward only re-points them.
         bk.args = {{DNNL_ARG_SRC, bk.src},
                    {DNNL_ARG_WEIGHTS, s.weights},
                    {DNNL_ARG_DST, bk.dst},
                    {DNNL_ARG_SCRATCHPAD, bk.scratch}};
         if (bias) bk.args.insert({DNNL_ARG_BIAS, s.bias});
-        s.buckets.push_back(std::move(bk));
       }
     } catch (const dnnl::error& e) {
       return Internal(std::string("linear: oneDNN: ") + e.what());
     }
-    lin->slices_.push_back(std::move(s));
+    slices_.push_back(std::move(s));
   }
-  return lin;
+  return {};
 }
 
 void Linear::Forward(const void* x, int m, float* y) const {
   if (m <= 0) return;
+  const int nthr = rt_->n_threads();
+  if (packed_) {
+    // A worksharing loop: every slice is computed whatever size the team turns out to be.
+#pragma omp parallel for num_threads(nthr) schedule(static)
+    for (int t = 0; t < nthr; ++t) {
+      packed_->Compute(static_cast<const float*>(x), k_, m, panel_bounds_[t], panel_bounds_[t + 1], y, n_);
+    }
+    return;
+  }
   const size_t esz = DTypeBytes(dt_);
   const int nslices = static_cast<int>(slices_.size());
-#pragma omp parallel num_threads(rt_->n_threads())
-  {
+#pragma omp parallel for num_threads(nthr) schedule(static)
+  for (int si = 0; si < nslices; ++si) {
     const int t = omp_get_thread_num();
-    if (t < nslices) {
-      const Slice& s = slices_[t];
-      for (int r0 = 0; r0 < m; r0 += kTileRows) {
-        const int rows = std::min(kTileRows, m - r0);
-        const Slice::Bucket& bk = s.buckets[BucketIndex(rows)];
-        bk.src.set_data_handle(const_cast<uint8_t*>(static_cast<const uint8_t*>(x)) + esz * r0 * k_);
-        float* out = rt_->out(t);
-        bk.dst.set_data_handle(out);
-        bk.scratch.set_data_handle(rt_->scratch(t));
-        bk.p->prim.execute(rt_->stream(t), bk.args);
-        for (int r = 0; r < rows; ++r) {
-          std::memcpy(y + static_cast<size_t>(r0 + r) * n_ + s.n0, out + static_cast<size_t>(r) * s.n,
-                      sizeof(float) * s.n);
-        }
+    const Slice& s = slices_[si];
+    for (int r0 = 0; r0 < m; r0 += kTileRows) {
+      const int rows = std::min(kTileRows, m - r0);
+      const Slice::Bucket& bk = s.buckets[std::max(first_bucket_, BucketIndex(rows))];
+      bk.src.set_data_handle(const_cast<uint8_t*>(static_cast<const uint8_t*>(x)) + esz * r0 * k_);
+      float* out = rt_->out(t);
+      bk.dst.set_data_handle(out);
+      bk.scratch.set_data_handle(rt_->scratch(t));
+      bk.p->prim.execute(rt_->stream(t), bk.args);
+      for (int r = 0; r < rows; ++r) {
+        std::memcpy(y + static_cast<size_t>(r0 + r) * n_ + s.n0, out + static_cast<size_t>(r) * s.n,
+                    sizeof(float) * s.n);
       }
     }
   }

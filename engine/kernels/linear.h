@@ -1,23 +1,33 @@
-// Dense layers on oneDNN matmul: y[M, N] = x[M, K] · Wᵀ (+ b).
+// Dense layers: y[M, N] = x[M, K] · Wᵀ (+ b), on oneDNN matmul or on the engine's own packed GEMM.
 //
 // Row independence. A row's output must have the same bits whatever M is and whatever other rows are in
 // the call (continuous batching mixes requests in one GEMM). oneDNN promises nothing here, so:
-//   * the N columns are split into one contiguous slice per compute thread, and each thread runs its own
-//     single-threaded primitive on its slice (no K-splitting, no cross-thread reduction) into a dense
-//     buffer of its own, copied into place (a strided destination would demote brgemm to gemm:jit);
-//   * M is padded up to a bucket (1, 2, 4, ..., kTileRows) and larger M runs as kTileRows-row tiles,
-//     so only a fixed set of primitives ever runs, all created at start-up against one weight layout.
-// tests/linear_test.cc checks every row of M = 1..200 against M = 1 for each shape and dtype.
+//   * the N columns are split into one contiguous slice per compute thread, and each slice runs its own
+//     single-threaded primitive (no K-splitting, no cross-thread reduction) into a dense buffer of its
+//     own, copied into place (a strided destination would demote brgemm to gemm:jit). Slices are shared
+//     out with an OpenMP worksharing loop, so a smaller team than asked for still computes every slice;
+//   * M is padded up to a bucket (min_rows, ..., 64, kTileRows) and larger M runs as kTileRows-row tiles,
+//     so only a fixed set of primitives ever runs, all created at start-up against one weight layout;
+//   * oneDNN is used only where one brgemm kernel serves every bucket (checked at start-up from the
+//     kernel names). The smallest buckets are dropped (M padded up to 16 or 32 rows) if that makes the
+//     kernels agree (AMX picks another kernel below a tile); failing that, or where oneDNN has no kernel
+//     for the dtype (bf16 below AVX-512), the layer runs on PackedWeights (packed_gemm.h), which gives
+//     the same bits for every M by construction.
+// QKV_GEMM=packed|onednn|auto (default auto) forces a backend; onednn fails where the check fails.
+// tests/linear_test.cc checks every row of M = 1..300 against M = 1 for each shape, dtype and backend.
 #pragma once
 
 #include <dnnl.hpp>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include "engine/kernels/packed_gemm.h"
 #include "engine/status.h"
 
 namespace qkv {
@@ -28,8 +38,14 @@ StatusOr<DType> ParseDType(const std::string& s);
 inline int DTypeBytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 
 inline constexpr int kTileRows = 128;
-// Rows of input/output storage a call with m rows touches (m padded to its bucket within the last tile).
+// Rows of input storage a call with m rows may read (m padded to its bucket within the last tile, and
+// to at least the largest minimum bucket). Outputs are written for the m rows only.
 int PaddedRows(int m);
+
+enum class GemmBackend { kOneDnn, kPacked };
+const char* GemmBackendName(GemmBackend b);
+// QKV_GEMM from the environment: auto (unset or "auto"), or a forced backend.
+StatusOr<std::optional<GemmBackend>> GemmBackendFromEnv();
 
 // Shared oneDNN state: the engine, one stream and scratchpad per compute thread, and the primitives,
 // cached by shape so that layers of the same shape share them.
@@ -58,8 +74,14 @@ class GemmRuntime {
     return n;
   }
   dnnl::stream& stream(int thread) { return streams_[thread]; }
-  // One line per distinct primitive: shape and the kernel oneDNN picked.
+  // One line per distinct primitive: shape and the kernel oneDNN picked (packed layers: one line each shape).
   std::vector<std::string> KernelLog() const;
+  // What the layers created so far run on, e.g. "onednn brg:avx512_core_bf16", "packed avx2 f32 x bf16",
+  // or both joined by " + " when layers differ.
+  std::string Summary() const;
+  // oneDNN's effective instruction set, e.g. "avx2", "avx512_core_amx" (ONEDNN_MAX_CPU_ISA caps it).
+  static std::string CpuIsa();
+  void NoteLayer(const std::string& what) { layers_.insert(what); }
 
  private:
   StatusOr<dnnl::matmul::primitive_desc> MakePd(int rows, int n, int k, int ld_out, DType dt, bool bias,
@@ -70,6 +92,7 @@ class GemmRuntime {
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<std::vector<float>> out_;
   std::map<std::string, std::unique_ptr<Prim>> prims_;
+  std::set<std::string> layers_;
 };
 
 class Linear {
@@ -80,10 +103,13 @@ class Linear {
   int n() const { return n_; }
   int k() const { return k_; }
   DType dtype() const { return dt_; }
+  GemmBackend backend() const { return packed_ ? GemmBackend::kPacked : GemmBackend::kOneDnn; }
+  // The dtype Forward expects x in: the weights' dtype on oneDNN, always f32 on the packed backend.
+  DType input_dtype() const { return packed_ ? DType::kF32 : dt_; }
   size_t weight_bytes() const { return weight_bytes_; }
 
-  // x: m rows of k values in dtype() (f32, or bf16 as uint16), row stride k, storage for PaddedRows(m)
-  // rows; y: f32 with row stride n, storage for PaddedRows(m) rows. Runs on all compute threads.
+  // x: m rows of k values in input_dtype() (f32, or bf16 as uint16), row stride k, storage for
+  // PaddedRows(m) rows; y: f32 with row stride n, m rows. Runs on all compute threads.
   void Forward(const void* x, int m, float* y) const;
 
  private:
@@ -100,11 +126,15 @@ class Linear {
     std::vector<Bucket> buckets;
   };
   Linear() = default;
+  Status CreateOneDnn(const float* w, const float* bias, int min_bucket);
   GemmRuntime* rt_ = nullptr;
+  std::unique_ptr<PackedWeights> packed_;
+  int first_bucket_ = 0;  // buckets below it are padded up to it
   int n_ = 0, k_ = 0;
   DType dt_ = DType::kF32;
   size_t weight_bytes_ = 0;
-  std::vector<Slice> slices_;  // one per compute thread (may be empty for tiny n)
+  std::vector<Slice> slices_;      // oneDNN: one per compute thread (may be empty for tiny n)
+  std::vector<int> panel_bounds_;  // packed: slice t covers panels [bounds[t], bounds[t + 1])
 };
 
 }  // namespace qkv
