@@ -23,47 +23,47 @@ inline void LoadRow(const uint16_t* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));  // odd slots: 8..15
 }
 
-// MR rows × NP panels. Each accumulator lane is one output's FMA chain over k in order.
+// MR rows × NP panels. Each accumulator lane is one output's FMA chain over k in order. The loops over
+// rows and panels are unrolled so the accumulators live in registers; y gets whole panels (ldy apart).
 template <typename W, int MR, int NP>
-void Tile(const float* x, int ldx, const W* w, size_t pstride, int K, const float* bias, float* y, int ldy, int ncols) {
+void Tile(const float* __restrict x, int ldx, const W* __restrict w, size_t pstride, int K,
+          const float* __restrict bias, float* __restrict y, int ldy) {
   __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
   for (int k = 0; k < K; ++k) {
     __m256 lo[NP], hi[NP];
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) LoadRow(w + j * pstride + static_cast<size_t>(k) * P, lo[j], hi[j]);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + static_cast<size_t>(r) * ldx + k);
+#pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) {
         acc[r][j][0] = _mm256_fmadd_ps(xb, lo[j], acc[r][j][0]);
         acc[r][j][1] = _mm256_fmadd_ps(xb, hi[j], acc[r][j][1]);
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    float* yr = y + static_cast<size_t>(r) * ldy;
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       __m256 a = acc[r][j][0], b = acc[r][j][1];
       if (bias) {
         a = _mm256_add_ps(a, _mm256_loadu_ps(bias + j * P));
         b = _mm256_add_ps(b, _mm256_loadu_ps(bias + j * P + 8));
       }
-      const int valid = std::min(P, ncols - j * P);
-      if (valid == P) {
-        _mm256_storeu_ps(yr + j * P, a);
-        _mm256_storeu_ps(yr + j * P + 8, b);
-      } else {
-        alignas(32) float tmp[P];
-        _mm256_store_ps(tmp, a);
-        _mm256_store_ps(tmp + 8, b);
-        std::memcpy(yr + j * P, tmp, sizeof(float) * valid);
-      }
+      _mm256_storeu_ps(y + static_cast<size_t>(r) * ldy + j * P, a);
+      _mm256_storeu_ps(y + static_cast<size_t>(r) * ldy + j * P + 8, b);
     }
   }
 }
 
 template <typename W>
-using TileFn = void (*)(const float*, int, const W*, size_t, int, const float*, float*, int, int);
+using TileFn = void (*)(const float*, int, const W*, size_t, int, const float*, float*, int);
 
 // Widest panel group per row count that keeps the accumulators in 16 ymm registers.
 constexpr int kMaxPanels[7] = {0, 4, 3, 2, 1, 1, 1};
@@ -103,9 +103,19 @@ void Run(const W* packed, const float* bias, int n, int K, const float* x, int l
   const size_t pstride = static_cast<size_t>(K) * P;
   auto tile = [&](int r, int mr, int p, int np) {
     const int col0 = p * P;
-    Pick<W>(mr, np)(x + static_cast<size_t>(r) * ldx, ldx, packed + p * pstride, pstride, K,
-                    bias ? bias + col0 : nullptr, y + static_cast<size_t>(r) * ldy + col0, ldy,
-                    std::min(np * P, n - col0));
+    const int ncols = std::min(np * P, n - col0);
+    const float* xr = x + static_cast<size_t>(r) * ldx;
+    const float* b = bias ? bias + col0 : nullptr;
+    float* yr = y + static_cast<size_t>(r) * ldy + col0;
+    if (ncols == np * P) {
+      Pick<W>(mr, np)(xr, ldx, packed + p * pstride, pstride, K, b, yr, ldy);
+      return;
+    }
+    // The last panel is partial: through a buffer, then the valid columns.
+    alignas(32) float tmp[6 * 4 * P];
+    Pick<W>(mr, np)(xr, ldx, packed + p * pstride, pstride, K, b, tmp, np * P);
+    for (int i = 0; i < mr; ++i)
+      std::memcpy(yr + static_cast<size_t>(i) * ldy, tmp + i * np * P, sizeof(float) * ncols);
   };
   if (m <= 6) {
     // Decode: one row block, several panels side by side to hide the FMA latency.
