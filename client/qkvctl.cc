@@ -451,6 +451,9 @@ int main(int argc, char** argv) {
               {"block_size", m.block_size()},
               {"weights_dtype", m.weights_dtype()},
               {"kv_dtype", m.kv_dtype()},
+              {"cpu_isa", m.cpu_isa()},
+              {"compute_dtype", m.compute_dtype()},
+              {"gemm", m.gemm()},
               {"instance_id", m.instance_id()},
               {"chat_template", m.chat_template()}};
     if (c.json_out) {

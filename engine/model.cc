@@ -76,7 +76,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), DTypeName(opt.weights_dtype),
                m->weight_bytes_ / 1e6, opt.n_threads);
-  spdlog::info("gemm: cpu isa {}; {}", GemmRuntime::CpuIsa(), m->rt_->Summary());
+  spdlog::info("gemm: cpu isa {}; compute dtype {}; {}", GemmRuntime::CpuIsa(), DTypeName(m->compute_dtype()),
+               m->rt_->Summary());
   for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
   const ModelConfig& c = m->cfg_;
   m->max_ctx_ = opt.max_context > 0 ? std::min(opt.max_context, c.context_length) : c.context_length;
@@ -225,6 +226,11 @@ size_t Model::scratch_bytes() const {
     n += v->capacity() * sizeof(float);
   n += in_lp_.capacity() * sizeof(uint16_t);
   return n + rt_->scratch_bytes();
+}
+
+DType Model::compute_dtype() const {
+  return lm_head_->input_dtype() == DType::kBF16 || layers_[0].qkv->input_dtype() == DType::kBF16 ? DType::kBF16
+                                                                                                    : DType::kF32;
 }
 
 void Model::RunLinear(const Linear& lin, const float* x, int rows, float* y) {

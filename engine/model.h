@@ -65,6 +65,9 @@ class Model {
   // Bytes the LM head, QKV/O/FFN GEMMs read per decoded token (the bandwidth roofline's numerator).
   size_t weight_bytes_per_token() const { return weight_bytes_per_token_; }
   const GemmRuntime& gemm() const { return *rt_; }
+  // The dtype the GEMMs take activations in: the weights' dtype on oneDNN, f32 on the packed GEMM (bf16
+  // weights widened). bf16 if any layer takes bf16.
+  DType compute_dtype() const;
   // Bytes of scratch sized at load: activation buffers, logits, attention and oneDNN scratchpads.
   size_t scratch_bytes() const;
 

@@ -445,6 +445,9 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_block_size(s.block_size);
   resp->set_weights_dtype(DTypeName(m.options().weights_dtype));
   resp->set_kv_dtype(DTypeName(m.options().kv_dtype));
+  resp->set_cpu_isa(GemmRuntime::CpuIsa());
+  resp->set_compute_dtype(DTypeName(m.compute_dtype()));
+  resp->set_gemm(m.gemm().Summary());
   resp->set_instance_id(opt_.instance_id);
   resp->set_eos_token_id(m.tokenizer().eos_id());
   resp->set_bos_token_id(m.tokenizer().bos_id());

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -80,16 +81,49 @@ TEST(Linear, OddShapesAndOneThread) {
   }
 }
 
-TEST(Linear, MatchesNaiveProduct) {
+// The engine's own GEMM, forced, so that it is checked on CPUs where oneDNN serves the model too.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+
+ private:
+  const char* name_;
+};
+
+TEST(Linear, PackedRowsAreIndependentOfM) {
+  ScopedEnv env("QKV_GEMM", "packed");
+  for (Shape s : kShapes) CheckRows(DType::kBF16, s, 2, AllM());
+  for (Shape s : {Shape{7, 5}, Shape{33, 17}, Shape{100, 64}}) {
+    CheckRows(DType::kF32, s, 1, AllM());
+    CheckRows(DType::kBF16, s, 3, AllM());
+  }
+}
+
+TEST(Linear, PackedBackendIsUsedWhenForced) {
+  ScopedEnv env("QKV_GEMM", "packed");
+  GemmRuntime rt(2);
+  std::vector<float> w(40 * 24, 0.5f);
+  auto lin = Linear::Create(rt, w.data(), nullptr, 40, 24, DType::kBF16);
+  ASSERT_TRUE(lin.ok());
+  EXPECT_EQ((*lin)->backend(), GemmBackend::kPacked);
+  EXPECT_EQ((*lin)->input_dtype(), DType::kF32);
+  EXPECT_EQ(rt.Summary(), "packed avx2 f32 x bf16");
+}
+
+void CheckNaiveProduct(DType dt) {
   GemmRuntime rt(2);
   const int n = 40, k = 24, m = 5;
   std::vector<float> w(n * k), b(n), x(PaddedRows(m) * k), y(PaddedRows(m) * n);
   for (int i = 0; i < n * k; ++i) w[i] = static_cast<float>((i * 7) % 11) - 5;
   for (int i = 0; i < n; ++i) b[i] = 0.5f * i;
   for (int i = 0; i < m * k; ++i) x[i] = static_cast<float>((i * 3) % 5) - 2;
-  auto lin = Linear::Create(rt, w.data(), b.data(), n, k, DType::kF32);
+  auto lin = Linear::Create(rt, w.data(), b.data(), n, k, dt);
   ASSERT_TRUE(lin.ok());
-  (*lin)->Forward(x.data(), m, y.data());
+  std::vector<uint16_t> xb(x.size());
+  F32ToBf16Bulk(x.data(), xb.data(), static_cast<int64_t>(x.size()));
+  const bool bf16_in = (*lin)->input_dtype() == DType::kBF16;
+  (*lin)->Forward(bf16_in ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data()), m, y.data());
   for (int r = 0; r < m; ++r) {
     for (int c = 0; c < n; ++c) {
       double ref = b[c];
@@ -97,6 +131,14 @@ TEST(Linear, MatchesNaiveProduct) {
       EXPECT_EQ(y[r * n + c], static_cast<float>(ref)) << r << "," << c;  // small integers: exact
     }
   }
+}
+
+TEST(Linear, MatchesNaiveProduct) {
+  CheckNaiveProduct(DType::kF32);
+  CheckNaiveProduct(DType::kBF16);  // small integers are exact in bf16 too
+  ScopedEnv env("QKV_GEMM", "packed");
+  CheckNaiveProduct(DType::kF32);
+  CheckNaiveProduct(DType::kBF16);
 }
 
 }  // namespace

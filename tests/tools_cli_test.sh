@@ -24,6 +24,14 @@ b=$("$bin/qkv-run" --model "$tmp/m.gguf" --prompt "The cat sat" -n 24 --temperat
 s1=$("$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1,2,3 -n 16 --temperature 1 --seed 9 --print-ids --threads 1 2>&1 >/dev/null | grep '^ids:')
 s2=$("$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1,2,3 -n 16 --temperature 1 --seed 9 --print-ids --threads 1 2>&1 >/dev/null | grep '^ids:')
 [ "$s1" = "$s2" ] || fail "same seed, different tokens"
+# Whatever team OpenMP gives (a thread limit, dynamic teams), every GEMM slice is computed: the same ids
+# and the same logits bits as a full team of 2.
+"$bin/qkv-model" random --config "$tmp/c.json" --out "$tmp/l.gguf" --arch llama --dtype bf16 --seed 5 >/dev/null
+t0=$("$bin/qkv-run" --model "$tmp/l.gguf" --prompt "The cat sat" -n 16 --temperature 0 --print-ids --threads 2 --logits "$tmp/t0.bin" 2>&1 >/dev/null | grep '^ids:')
+t1=$(OMP_THREAD_LIMIT=1 "$bin/qkv-run" --model "$tmp/l.gguf" --prompt "The cat sat" -n 16 --temperature 0 --print-ids --threads 2 --logits "$tmp/t1.bin" 2>&1 >/dev/null | grep '^ids:')
+t2=$(OMP_DYNAMIC=true "$bin/qkv-run" --model "$tmp/l.gguf" --prompt "The cat sat" -n 16 --temperature 0 --print-ids --threads 2 --logits "$tmp/t2.bin" 2>&1 >/dev/null | grep '^ids:')
+[ -n "$t0" ] && [ "$t0" = "$t1" ] && [ "$t0" = "$t2" ] || fail "OpenMP team size changed the tokens: $t0 / $t1 / $t2"
+cmp -s "$tmp/t0.bin" "$tmp/t1.bin" && cmp -s "$tmp/t0.bin" "$tmp/t2.bin" || fail "OpenMP team size changed the logits"
 # Bad input: clear errors, non-zero exit, no crash.
 expect_error() {
   local want=$1; shift
@@ -42,4 +50,4 @@ head -c 1000 "$tmp/m.gguf" > "$tmp/trunc.gguf"
 expect_error "DATA_LOSS" "$bin/qkv-run" --model "$tmp/trunc.gguf" --tokens 1
 echo '{"hidden_size": 64}' > "$tmp/bad.json"
 expect_error "missing 'num_hidden_layers'" "$bin/qkv-model" random --config "$tmp/bad.json" --out "$tmp/x.gguf"
-echo "tools_cli: 10 passed, 0 failed"
+echo "tools_cli: 11 passed, 0 failed"

@@ -11,6 +11,7 @@
 
 #include "engine/capacity_plan.h"
 #include "engine/gguf.h"
+#include "engine/kernels/linear.h"
 #include "engine/model_config.h"
 #include "engine/random_model.h"
 #include "engine/tokenizer.h"
@@ -189,7 +190,12 @@ int main(int argc, char** argv) {
   plan->add_option("--context", plan_context, "tokens per session")->capture_default_str();
   plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16 or f32")->capture_default_str();
   plan->add_flag("--json", plan_json, "print a JSON object");
+  auto* cpu = app.add_subcommand("cpu", "print the instruction set oneDNN runs at here (ONEDNN_MAX_CPU_ISA caps it)");
   CLI11_PARSE(app, argc, argv);
+  if (cpu->parsed()) {
+    std::cout << qkv::GemmRuntime::CpuIsa() << "\n";
+    return 0;
+  }
   if (plan->parsed()) return PlanMain(plan_config, plan_memory, plan_context, plan_dtype, plan_json);
   if (random->parsed()) return Random(config, out, arch, dtype, seed);
   if (tokenize->parsed()) return Tokenize(tok_model, tok_json, decode, parse_special, add_special);

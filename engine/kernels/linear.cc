@@ -164,10 +164,17 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   lin->k_ = k;
   lin->dt_ = dt;
   const std::string shape = std::to_string(n) + "x" + std::to_string(k) + " " + DTypeName(dt);
-  if (forced != GemmBackend::kPacked) {
+  if (forced == GemmBackend::kOneDnn) {
+    // Forced: oneDNN for every bucket even where its kernels differ (to measure it, or to show the tests fail).
+    Status st = lin->CreateOneDnn(w, bias, 1, /*same_kernel=*/false);
+    if (!st.ok()) return Internal("linear " + shape + ": QKV_GEMM=onednn: " + st.message());
+    rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() + " (forced)");
+    return lin;
+  }
+  if (!forced) {
     std::string why;
     for (int min_bucket : kMinBuckets) {
-      Status st = lin->CreateOneDnn(w, bias, min_bucket);
+      Status st = lin->CreateOneDnn(w, bias, min_bucket, /*same_kernel=*/true);
       if (st.ok()) {
         rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() +
                      (min_bucket > 1 ? " (M >= " + std::to_string(min_bucket) + ")" : ""));
@@ -177,7 +184,6 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
       lin->slices_.clear();
       if (st.code() != StatusCode::kFailedPrecondition) break;  // no kernel at all: padding will not help
     }
-    if (forced == GemmBackend::kOneDnn) return Internal("linear " + shape + ": QKV_GEMM=onednn: " + why);
     spdlog::debug("linear {}: packed GEMM ({})", shape, why);
   }
   lin->packed_ = std::make_unique<PackedWeights>(w, bias, n, k, dt == DType::kBF16);
@@ -190,9 +196,9 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   return lin;
 }
 
-// oneDNN for buckets >= min_bucket. FailedPrecondition when the buckets' kernels differ (or are not
-// brgemm, whose row order is M-independent), Internal when oneDNN has no kernel.
-Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket) {
+// oneDNN for buckets >= min_bucket. With same_kernel, FailedPrecondition when the buckets' kernels
+// differ (or are not brgemm, whose row order is M-independent); Internal when oneDNN has no kernel.
+Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, bool same_kernel) {
   GemmRuntime& rt = *rt_;
   const int n = n_, k = k_;
   const DType dt = dt_;
@@ -216,7 +222,7 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket) {
       for (int b = first_bucket_; b < kNumBuckets; ++b) {
         QKV_ASSIGN_OR_RETURN(const GemmRuntime::Prim* p, rt.Get(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
         const std::string impl = p->pd.impl_info_str();
-        if (impl.rfind("brg:", 0) != 0 || (!kernel.empty() && impl != kernel)) {
+        if (same_kernel && (impl.rfind("brg:", 0) != 0 || (!kernel.empty() && impl != kernel))) {
           return FailedPrecondition("oneDNN picks " + (kernel.empty() ? impl : kernel + " and " + impl) +
                                     " across the M buckets from " + std::to_string(min_bucket));
         }

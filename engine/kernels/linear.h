@@ -13,7 +13,8 @@
 //     kernels agree (AMX picks another kernel below a tile); failing that, or where oneDNN has no kernel
 //     for the dtype (bf16 below AVX-512), the layer runs on PackedWeights (packed_gemm.h), which gives
 //     the same bits for every M by construction.
-// QKV_GEMM=packed|onednn|auto (default auto) forces a backend; onednn fails where the check fails.
+// QKV_GEMM=packed|onednn|auto (default auto) forces a backend; onednn skips the same-kernel check (to
+// measure oneDNN, or to see the same-bits tests fail) and fails only where oneDNN has no kernel.
 // tests/linear_test.cc checks every row of M = 1..300 against M = 1 for each shape, dtype and backend.
 #pragma once
 
@@ -126,7 +127,7 @@ class Linear {
     std::vector<Bucket> buckets;
   };
   Linear() = default;
-  Status CreateOneDnn(const float* w, const float* bias, int min_bucket);
+  Status CreateOneDnn(const float* w, const float* bias, int min_bucket, bool same_kernel);
   GemmRuntime* rt_ = nullptr;
   std::unique_ptr<PackedWeights> packed_;
   int first_bucket_ = 0;  // buckets below it are padded up to it

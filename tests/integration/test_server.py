@@ -192,6 +192,12 @@ class ServerTest(unittest.TestCase):
         self.assertEqual(info.attention, "GQA")
         self.assertEqual(info.kv_bytes_per_token, 2 * 2 * 2 * 16 * 2)
         self.assertTrue(info.instance_id)
+        # The compute path on this CPU: oneDNN's level, the GEMM activations' dtype, the layers' GEMM.
+        self.assertTrue(info.cpu_isa.startswith(("avx2", "avx512")), info.cpu_isa)
+        self.assertIn(info.compute_dtype, ("bf16", "f32"))
+        self.assertTrue(info.gemm.startswith(("onednn brg:", "packed")), info.gemm)
+        if info.cpu_isa == "avx2":  # oneDNN 2.6 has no bf16 matmul there: the engine's own GEMM runs
+            self.assertEqual((info.compute_dtype, info.gemm), ("f32", "packed avx2 f32 x bf16"))
         h = self.s.health
         self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service="")).status, health_pb2.HealthCheckResponse.SERVING)
         self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service=INFER)).status, health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Same bits through the server: a request's logprobs (and its prompt logprobs) are bit-identical alone and
+among 15 concurrent requests of other lengths, and with the prompt sent in one step or spread over several
+(a small --max-num-batched-tokens), for bf16 and f32 weights. Run once per instruction-set level by tests/isa_level_test.sh."""
+import concurrent.futures
+import struct
+import unittest
+
+from harness import Server, make_model, pb
+
+
+def bits(resp):
+    gen = [(lp.token_id, struct.pack("<f", lp.logprob)) for lp in resp.logprobs]
+    prompt = [struct.pack("<f", p.logprob) for p in resp.prompt_logprobs if p.HasField("logprob")]
+    return list(resp.token_ids), gen, prompt
+
+
+def request(n_prompt, seed, max_tokens=8):
+    ids = [(seed * 131 + i * 17) % 500 + 1 for i in range(n_prompt)]
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, temperature=0.0, logprobs=1,
+                              prompt_logprobs=True, ignore_eos=True)
+
+
+class SameBitsTest(unittest.TestCase):
+    def check(self, *args):
+        model = make_model("samebits", arch="qwen2", vocab=512, ctx=256, seed=11)
+        s = Server("--threads", "2", *args, model=model)
+        try:
+            alone = bits(s.stub.Complete(request(45, 0)))
+            self.assertEqual(len(alone[1]), 8)
+            others = [request(3 + 11 * i, i + 1, max_tokens=4 + i % 9) for i in range(15)]
+            with concurrent.futures.ThreadPoolExecutor(16) as ex:
+                futs = [ex.submit(s.stub.Complete, r) for r in others]
+                mine = ex.submit(s.stub.Complete, request(45, 0))
+                together = bits(mine.result())
+                for f in futs:
+                    f.result()
+            self.assertEqual(together, alone, "logprobs among 15 others differ from alone")
+            return alone
+        finally:
+            s.stop()
+
+    def test_alone_vs_among_others_and_chunking(self):
+        for dtype in ("bf16", "f32"):
+            with self.subTest(weights=dtype):
+                whole = self.check("--weights-dtype", dtype)
+                chunked = self.check("--weights-dtype", dtype, "--max-num-batched-tokens", "16")
+                self.assertEqual(chunked, whole, "prompt chunking changed the bits")
+
+
+if __name__ == "__main__":
+    unittest.main()
