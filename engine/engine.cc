@@ -79,6 +79,11 @@ void Engine::Post(std::function<void()> fn) {
 }
 
 template <typename T>
+void Engine::Async(std::function<T()> fn, Done<T> done) {
+  Post([fn = std::move(fn), done = std::move(done)] { done(fn()); });
+}
+
+template <typename T>
 T Engine::Call(std::function<T()> fn) {
   auto p = std::make_shared<std::promise<T>>();
   auto f = p->get_future();
@@ -116,7 +121,7 @@ void Engine::Loop() {
     for (auto& fn : cmds) fn();
     ExpireSessions();
     Step();
-    PublishStats();
+    MaybePublishStats();
   }
 }
 
@@ -136,82 +141,91 @@ Session* Engine::FindSession(const std::string& ns, const std::string& id) {
   return it == sessions_.end() ? nullptr : it->second.get();
 }
 
-StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(GenerateParams p) {
+void Engine::Submit(GenerateParams p, Done<StreamOrError> done) {
+  if (!accepting_) return done(Status(StatusCode::kUnavailable, "the server is shutting down"));
+  auto params = std::make_shared<GenerateParams>(std::move(p));
+  Async<StreamOrError>([this, params] { return DoSubmit(std::move(*params)); }, std::move(done));
+}
+
+Engine::StreamOrError Engine::Submit(GenerateParams p) {
   if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
-  return Call<StatusOr<std::shared_ptr<RequestStream>>>(
-      [this, p = std::move(p)]() mutable -> StatusOr<std::shared_ptr<RequestStream>> {
-        if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
-        QKV_RETURN_IF_ERROR(p.sampling.Validate());
-        if (p.prompt.empty()) return InvalidArgument("prompt is empty");
-        QKV_RETURN_IF_ERROR(ValidateTokens(p.prompt, "prompt"));
-        QKV_RETURN_IF_ERROR(ValidateTokens(p.stop_token_ids, "stop_token_ids"));
-        if (p.max_tokens == 0 || p.max_tokens < -1) return InvalidArgument("max_tokens must be at least 1");
-        if (p.logprobs < 0 || p.logprobs > 20) return InvalidArgument("logprobs must be in 0..20");
-        if (p.request_id.empty()) p.request_id = "req-" + std::to_string(next_seq_id_);
-        QKV_RETURN_IF_ERROR(ValidateId(p.request_id, "request_id"));
-        if (by_request_id_.count({p.ns, p.request_id})) {
-          return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
-        }
-        if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) {
-          return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
-        }
-        Session* session = nullptr;
-        if (!p.session_id.empty()) {
-          session = FindSession(p.ns, p.session_id);
-          if (!session) return NotFound("session '" + p.session_id + "' not found");
-          if (session->busy) {
-            return FailedPrecondition("session '" + p.session_id +
-                                      "' is busy with another request; wait for it or cancel it");
-          }
-        }
-        const int max_ctx = model_.max_context();
-        const int history = session ? static_cast<int>(session->ctx.tokens.size()) : 0;
-        const int ctx_len = history + static_cast<int>(p.prompt.size());
-        int max_tokens = p.max_tokens;
-        if (max_tokens == -1) max_tokens = std::min(opt_.default_max_tokens, max_ctx - ctx_len);
-        if (ctx_len + max_tokens > max_ctx || max_tokens < 1) {
-          return InvalidArgument("context overflow: " +
-                                 std::string(session ? "session history (" + std::to_string(history) + ") + " : "") +
-                                 "prompt (" + std::to_string(p.prompt.size()) + ") + max_tokens (" +
-                                 std::to_string(std::max(max_tokens, 1)) + ") exceeds the context of " +
-                                 std::to_string(max_ctx) + " tokens" +
-                                 (session ? "; truncate the session (TruncateSession) or start a new one" : ""));
-        }
-        const int B = model_.options().block_size;
-        if ((ctx_len + max_tokens + B - 1) / B > model_.blocks().total_blocks()) {
-          return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
-                                   " tokens of KV cache, more than the whole cache holds (" +
-                                   std::to_string(model_.blocks().total_blocks() * B) + ")");
-        }
-        auto s = std::make_unique<Sequence>();
-        s->id = next_seq_id_++;
-        s->ns_id = model_.blocks().Namespace(p.ns);
-        s->max_tokens = max_tokens;
-        s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
-        if (session) {
-          s->session = session;
-          s->session_tokens_before = session->ctx.tokens;
-          s->session_kv_before = session->ctx.kv.n_tokens;
-          s->ctx = std::move(session->ctx);
-          session->ctx = {};
-          session->busy = true;
-          session->last_used = Clock::now();
-        }
-        s->ctx.tokens.insert(s->ctx.tokens.end(), p.prompt.begin(), p.prompt.end());
-        s->n_prompt = ctx_len;
-        s->n_cached = s->ctx.kv.n_tokens;
-        s->sampler = std::make_unique<Sampler>(p.sampling, s->ctx.tokens);
-        s->text = std::make_unique<TextStream>(p.stop, p.include_stop_str_in_output);
-        s->stream = std::make_shared<RequestStream>(p.request_id);
-        s->submitted = Clock::now();
-        if (p.prompt_logprobs) s->prompt_logprobs.assign(ctx_len, NAN);
-        s->params = std::move(p);
-        by_request_id_[{s->params.ns, s->params.request_id}] = s->id;
-        waiting_.push_back(s.get());
-        auto stream = s->stream;
-        seqs_[s->id] = std::move(s);
-        return stream;
-      });
+  auto params = std::make_shared<GenerateParams>(std::move(p));
+  return Call<StreamOrError>([this, params] { return DoSubmit(std::move(*params)); });
+}
+
+Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
+  if (!accepting_) return Status(StatusCode::kUnavailable, "the server is shutting down");
+  QKV_RETURN_IF_ERROR(p.sampling.Validate());
+  if (p.prompt.empty()) return InvalidArgument("prompt is empty");
+  QKV_RETURN_IF_ERROR(ValidateTokens(p.prompt, "prompt"));
+  QKV_RETURN_IF_ERROR(ValidateTokens(p.stop_token_ids, "stop_token_ids"));
+  if (p.max_tokens == 0 || p.max_tokens < -1) return InvalidArgument("max_tokens must be at least 1");
+  if (p.logprobs < 0 || p.logprobs > 20) return InvalidArgument("logprobs must be in 0..20");
+  if (p.request_id.empty()) p.request_id = "req-" + std::to_string(next_seq_id_);
+  QKV_RETURN_IF_ERROR(ValidateId(p.request_id, "request_id"));
+  if (by_request_id_.count({p.ns, p.request_id})) {
+    return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
+  }
+  if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) {
+    return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
+  }
+  Session* session = nullptr;
+  if (!p.session_id.empty()) {
+    session = FindSession(p.ns, p.session_id);
+    if (!session) return NotFound("session '" + p.session_id + "' not found");
+    if (session->busy) {
+      return FailedPrecondition("session '" + p.session_id +
+                                "' is busy with another request; wait for it or cancel it");
+    }
+  }
+  // 64-bit: a client's max_tokens near INT_MAX must not wrap past the check.
+  const int64_t max_ctx = model_.max_context();
+  const int64_t history = session ? static_cast<int64_t>(session->ctx.tokens.size()) : 0;
+  const int64_t ctx_len = history + static_cast<int64_t>(p.prompt.size());
+  int64_t max_tokens = p.max_tokens;
+  if (max_tokens == -1) max_tokens = std::min<int64_t>(opt_.default_max_tokens, max_ctx - ctx_len);
+  if (ctx_len + max_tokens > max_ctx || max_tokens < 1) {
+    return InvalidArgument(
+        "context overflow: " + std::string(session ? "session history (" + std::to_string(history) + ") + " : "") +
+        "prompt (" + std::to_string(p.prompt.size()) + ") + max_tokens (" +
+        std::to_string(std::max<int64_t>(max_tokens, 1)) + ") exceeds the context of " + std::to_string(max_ctx) +
+        " tokens" + (session ? "; truncate the session (TruncateSession) or start a new one" : ""));
+  }
+  const int B = model_.options().block_size;
+  if ((ctx_len + max_tokens + B - 1) / B > model_.blocks().total_blocks()) {
+    return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
+                             " tokens of KV cache, more than the whole cache holds (" +
+                             std::to_string(model_.blocks().total_blocks() * B) + ")");
+  }
+  auto s = std::make_unique<Sequence>();
+  s->id = next_seq_id_++;
+  s->ns_id = model_.blocks().Namespace(p.ns);
+  s->max_tokens = static_cast<int>(max_tokens);  // <= the context
+  s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
+  if (session) {
+    s->session = session;
+    s->session_tokens_before = session->ctx.tokens;
+    s->session_kv_before = session->ctx.kv.n_tokens;
+    s->ctx = std::move(session->ctx);
+    session->ctx = {};
+    session->busy = true;
+    session->turn = s.get();
+    Touch(*session);
+  }
+  s->ctx.tokens.insert(s->ctx.tokens.end(), p.prompt.begin(), p.prompt.end());
+  s->n_prompt = static_cast<int>(ctx_len);
+  s->n_cached = s->ctx.kv.n_tokens;
+  s->sampler = std::make_unique<Sampler>(p.sampling, s->ctx.tokens);
+  s->text = std::make_unique<TextStream>(p.stop, p.include_stop_str_in_output);
+  s->stream = std::make_shared<RequestStream>(p.request_id);
+  s->submitted = Clock::now();
+  if (p.prompt_logprobs) s->prompt_logprobs.assign(ctx_len, NAN);
+  s->params = std::move(p);
+  by_request_id_[{s->params.ns, s->params.request_id}] = s->id;
+  waiting_.push_back(s.get());
+  auto stream = s->stream;
+  seqs_[s->id] = std::move(s);
+  return stream;
 }
 
 void Engine::Cancel(const std::string& ns, const std::string& request_id) {
@@ -246,7 +260,8 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
     }
     ss->ctx = std::move(s->ctx);
     ss->busy = false;
-    ss->last_used = now;
+    ss->turn = nullptr;
+    Touch(*ss);
   } else {
     ReleaseBlocks(s->ctx.kv, pool);
   }
@@ -283,17 +298,36 @@ bool Engine::EvictIdleSession() {
   return true;
 }
 
+void Engine::Touch(Session& s) {
+  s.last_used = Clock::now();
+  if (s.expiry_queued) expiry_.erase({s.expires_at, s.ns, s.id});
+  s.expiry_queued = s.ttl_s > 0;
+  if (s.expiry_queued) {
+    s.expires_at = s.last_used + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s.ttl_s));
+    expiry_.insert({s.expires_at, s.ns, s.id});
+  }
+}
+
+void Engine::Forget(Session& s) {
+  if (s.expiry_queued) expiry_.erase({s.expires_at, s.ns, s.id});
+  s.expiry_queued = false;
+}
+
+// Only the sessions whose time has come are visited (expiry_ is ordered by deadline), so the cost per
+// step does not grow with the number of sessions.
 void Engine::ExpireSessions() {
   const auto now = Clock::now();
-  for (auto it = sessions_.begin(); it != sessions_.end();) {
+  while (!expiry_.empty() && std::get<0>(*expiry_.begin()) <= now) {
+    const auto [at, ns, id] = *expiry_.begin();
+    expiry_.erase(expiry_.begin());
+    auto it = sessions_.find({ns, id});
+    if (it == sessions_.end()) continue;
     Session& s = *it->second;
-    if (!s.busy && s.ttl_s > 0 && Seconds(s.last_used, now) > s.ttl_s) {
-      ReleaseBlocks(s.ctx.kv, model_.blocks());
-      ++counters_.session_evictions_ttl;
-      it = sessions_.erase(it);
-    } else {
-      ++it;
-    }
+    s.expiry_queued = false;
+    if (s.busy) continue;  // re-queued by Touch when its turn ends
+    ReleaseBlocks(s.ctx.kv, model_.blocks());
+    ++counters_.session_evictions_ttl;
+    sessions_.erase(it);
   }
 }
 
@@ -318,10 +352,25 @@ void Engine::Step() {
   const auto step_start = Clock::now();
   counters_.batch_tokens.Observe(plan.n_tokens);
 
+  // A chunk the model would refuse fails its own request only; the step runs without it.
+  std::vector<ScheduledChunk>& chunks = step_chunks_;
+  chunks.clear();
+  for (const ScheduledChunk& c : plan.chunks) {
+    Sequence* s = c.seq;
+    const BatchChunk bc{&s->ctx.kv, std::span<const int>(s->ctx.tokens.data() + s->ctx.kv.n_tokens, c.n_tokens),
+                        c.all_logits};
+    if (Status cs = model_.CheckChunk(bc); !cs.ok()) {
+      spdlog::error("request {} refused by the model: {}", s->params.request_id, cs.ToString());
+      Finish(s, FinishReason::kError, "", Internal("the model refused the request's step: " + cs.message()));
+      continue;
+    }
+    chunks.push_back(c);
+  }
+  if (chunks.empty()) return;
   std::vector<BatchChunk>& batch = step_batch_;  // scratch reused every step: nothing allocated per token
   batch.clear();
   const auto now = Clock::now();
-  for (const ScheduledChunk& c : plan.chunks) {
+  for (const ScheduledChunk& c : chunks) {
     Sequence* s = c.seq;
     if (!s->scheduled_once) {
       s->scheduled_once = true;
@@ -332,11 +381,11 @@ void Engine::Step() {
   }
   std::vector<int>& starts = step_starts_;
   starts.clear();
-  for (const ScheduledChunk& c : plan.chunks) starts.push_back(c.seq->ctx.kv.n_tokens);
+  for (const ScheduledChunk& c : chunks) starts.push_back(c.seq->ctx.kv.n_tokens);
   const Status st = model_.Forward(batch);
   if (!st.ok()) {
     spdlog::error("forward pass failed: {}", st.ToString());
-    for (const ScheduledChunk& c : plan.chunks)
+    for (const ScheduledChunk& c : chunks)
       Finish(c.seq, FinishReason::kError, "", Internal("forward pass failed: " + st.message()));
     return;
   }
@@ -345,9 +394,15 @@ void Engine::Step() {
   std::vector<float>& row = step_row_;
   row.resize(V);
   int r = 0;
-  std::vector<std::pair<Sequence*, std::pair<FinishReason, std::string>>> done;
-  for (size_t ci = 0; ci < plan.chunks.size(); ++ci) {
-    const ScheduledChunk& c = plan.chunks[ci];
+  struct Done {
+    Sequence* s;
+    FinishReason reason;
+    std::string stop_reason;
+    Status error;
+  };
+  std::vector<Done> done;
+  for (size_t ci = 0; ci < chunks.size(); ++ci) {
+    const ScheduledChunk& c = chunks[ci];
     Sequence* s = c.seq;
     const int rows = c.all_logits ? c.n_tokens : 1;
     const float* first_row = model_.logits() + static_cast<size_t>(r) * V;
@@ -366,6 +421,12 @@ void Engine::Step() {
     const float* last = first_row + static_cast<size_t>(rows - 1) * V;
     StreamEvent e;
     std::copy(last, last + V, row.begin());
+    bool finite = true;
+    for (int i = 0; i < V; ++i) finite &= std::isfinite(row[i]);
+    if (!finite) {  // this request ends; the others in the step are untouched
+      done.push_back({s, FinishReason::kError, "", Internal("the model produced non-finite logits")});
+      continue;
+    }
     const int next = s->sampler->Sample(row.data(), V);
     if (s->params.want_logprobs || s->params.logprobs > 0) {
       const auto [m, lse] = LogSumExp(last, V);
@@ -420,9 +481,9 @@ void Engine::Step() {
       s->prompt_logprobs_sent = true;
     }
     s->stream->Push(std::move(e));
-    if (reason != FinishReason::kNone) done.push_back({s, {reason, stop_reason}});
+    if (reason != FinishReason::kNone) done.push_back({s, reason, stop_reason, {}});
   }
-  for (auto& [s, why] : done) Finish(s, why.first, why.second);
+  for (Done& d : done) Finish(d.s, d.reason, d.stop_reason, std::move(d.error));
   counters_.step.Observe(Seconds(step_start, Clock::now()));
 }
 
@@ -430,124 +491,176 @@ SessionInfo Engine::Info(const Session& s, bool with_tokens) const {
   SessionInfo i;
   i.id = s.id;
   i.affinity_key = s.affinity_key;
-  i.n_tokens = static_cast<int>(s.ctx.tokens.size());
-  i.n_cached_tokens = s.ctx.kv.n_tokens;
-  i.resident_blocks = static_cast<int64_t>(s.ctx.kv.blocks.size());
+  // While a turn runs, the session's context is the turn's: its history is what it had before the turn
+  // (the turn commits only when it ends), and it holds the blocks the turn holds.
+  const CachedTokens& ctx = s.turn ? s.turn->ctx : s.ctx;
+  const int history =
+      s.turn ? static_cast<int>(s.turn->session_tokens_before.size()) : static_cast<int>(ctx.tokens.size());
+  i.n_tokens = history;
+  i.n_cached_tokens = std::min(ctx.kv.n_tokens, history);
+  i.resident_blocks = static_cast<int64_t>(ctx.kv.blocks.size());
   i.resident_bytes = i.resident_blocks * model_.kv().shape().bytes_per_block();
-  i.evicted = s.evicted();
+  i.evicted = ctx.kv.blocks.empty() && history > 0;
   i.busy = s.busy;
   i.ttl_s = s.ttl_s;
   i.priority = s.priority;
   i.created_unix = UnixTime(s.created);
   i.last_used_unix = UnixTime(s.last_used);
-  if (with_tokens) i.tokens = s.ctx.tokens;
+  if (with_tokens) {
+    i.tokens = s.turn ? s.turn->session_tokens_before : ctx.tokens;
+  }
   return i;
+}
+
+void Engine::CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
+                           std::vector<int> initial_tokens, Done<StatusOr<SessionInfo>> done) {
+  Async<StatusOr<SessionInfo>>([=, this] { return DoCreateSession(ns, id, ttl_s, priority, initial_tokens); },
+                               std::move(done));
 }
 
 StatusOr<SessionInfo> Engine::CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
                                             std::vector<int> initial_tokens) {
-  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
-    QKV_RETURN_IF_ERROR(ValidateId(id, "session_id"));
-    if (!(ttl_s >= 0)) return InvalidArgument("ttl must not be negative");
-    QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_tokens"));
-    if (static_cast<int>(initial_tokens.size()) >= model_.max_context()) {
-      return InvalidArgument("initial_tokens (" + std::to_string(initial_tokens.size()) +
-                             ") must be shorter than the context of " + std::to_string(model_.max_context()));
-    }
-    if (sessions_.count({ns, id})) return Status(StatusCode::kAlreadyExists, "session '" + id + "' already exists");
-    if (static_cast<int>(sessions_.size()) >= opt_.max_sessions) return ResourceExhausted("too many sessions");
-    auto s = std::make_unique<Session>();
-    s->id = id;
-    s->ns = ns;
-    s->ns_id = model_.blocks().Namespace(ns);
-    s->affinity_key = id;
-    s->ctx.tokens = std::move(initial_tokens);
-    s->ttl_s = ttl_s;
-    s->priority = priority;
-    s->created = s->last_used = Clock::now();
-    SessionInfo info = Info(*s, false);
-    sessions_[{ns, id}] = std::move(s);
-    return info;
-  });
+  return Call<StatusOr<SessionInfo>>([&] { return DoCreateSession(ns, id, ttl_s, priority, initial_tokens); });
+}
+
+StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
+                                              std::vector<int> initial_tokens) {
+  QKV_RETURN_IF_ERROR(ValidateId(id, "session_id"));
+  if (!(ttl_s >= 0)) return InvalidArgument("ttl must not be negative");
+  QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_tokens"));
+  if (static_cast<int>(initial_tokens.size()) >= model_.max_context()) {
+    return InvalidArgument("initial_tokens (" + std::to_string(initial_tokens.size()) +
+                           ") must be shorter than the context of " + std::to_string(model_.max_context()));
+  }
+  if (sessions_.count({ns, id})) return Status(StatusCode::kAlreadyExists, "session '" + id + "' already exists");
+  if (static_cast<int>(sessions_.size()) >= opt_.max_sessions) return ResourceExhausted("too many sessions");
+  auto s = std::make_unique<Session>();
+  s->id = id;
+  s->ns = ns;
+  s->ns_id = model_.blocks().Namespace(ns);
+  s->affinity_key = id;
+  s->ctx.tokens = std::move(initial_tokens);
+  s->ttl_s = ttl_s;
+  s->priority = priority;
+  s->created = Clock::now();
+  Touch(*s);
+  SessionInfo info = Info(*s, false);
+  sessions_[{ns, id}] = std::move(s);
+  return info;
+}
+
+void Engine::GetSession(const std::string& ns, const std::string& id, bool with_tokens,
+                        Done<StatusOr<SessionInfo>> done) {
+  Async<StatusOr<SessionInfo>>([=, this] { return DoGetSession(ns, id, with_tokens); }, std::move(done));
 }
 
 StatusOr<SessionInfo> Engine::GetSession(const std::string& ns, const std::string& id, bool with_tokens) {
-  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
-    Session* s = FindSession(ns, id);
-    if (!s) return NotFound("session '" + id + "' not found");
-    if (s->busy) {  // its context is with the running request
-      auto it = std::find_if(seqs_.begin(), seqs_.end(), [&](const auto& kv) { return kv.second->session == s; });
-      SessionInfo i = Info(*s, false);
-      if (it != seqs_.end()) {
-        i.n_tokens = static_cast<int>(it->second->session_tokens_before.size());
-        if (with_tokens) i.tokens = it->second->session_tokens_before;
-      }
-      return i;
-    }
-    return Info(*s, with_tokens);
-  });
+  return Call<StatusOr<SessionInfo>>([&] { return DoGetSession(ns, id, with_tokens); });
+}
+
+StatusOr<SessionInfo> Engine::DoGetSession(const std::string& ns, const std::string& id, bool with_tokens) {
+  Session* s = FindSession(ns, id);
+  if (!s) return NotFound("session '" + id + "' not found");
+  return Info(*s, with_tokens);
+}
+
+void Engine::ListSessions(const std::string& ns, Done<std::vector<SessionInfo>> done) {
+  Async<std::vector<SessionInfo>>([=, this] { return DoListSessions(ns); }, std::move(done));
 }
 
 std::vector<SessionInfo> Engine::ListSessions(const std::string& ns) {
-  return Call<std::vector<SessionInfo>>([&] {
-    std::vector<SessionInfo> out;
-    for (auto it = sessions_.lower_bound({ns, ""}); it != sessions_.end() && it->first.first == ns; ++it) {
-      out.push_back(Info(*it->second, false));
-    }
-    return out;
-  });
+  return Call<std::vector<SessionInfo>>([&] { return DoListSessions(ns); });
+}
+
+std::vector<SessionInfo> Engine::DoListSessions(const std::string& ns) {
+  std::vector<SessionInfo> out;
+  for (auto it = sessions_.lower_bound({ns, ""}); it != sessions_.end() && it->first.first == ns; ++it) {
+    out.push_back(Info(*it->second, false));
+  }
+  return out;
+}
+
+void Engine::ForkSession(const std::string& ns, const std::string& parent, const std::string& child,
+                         Done<StatusOr<SessionInfo>> done) {
+  Async<StatusOr<SessionInfo>>([=, this] { return DoForkSession(ns, parent, child); }, std::move(done));
 }
 
 StatusOr<SessionInfo> Engine::ForkSession(const std::string& ns, const std::string& parent, const std::string& child) {
-  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
-    QKV_RETURN_IF_ERROR(ValidateId(child, "child session_id"));
-    Session* p = FindSession(ns, parent);
-    if (!p) return NotFound("session '" + parent + "' not found");
-    if (p->busy) return FailedPrecondition("session '" + parent + "' is busy with another request");
-    if (sessions_.count({ns, child}))
-      return Status(StatusCode::kAlreadyExists, "session '" + child + "' already exists");
-    auto s = std::make_unique<Session>();
-    s->id = child;
-    s->ns = ns;
-    s->ns_id = p->ns_id;
-    s->affinity_key = p->affinity_key;
-    s->ctx = p->ctx;  // shares the parent's blocks, copy-on-write
-    for (int b : s->ctx.kv.blocks) model_.blocks().Ref(b);
-    s->ttl_s = p->ttl_s;
-    s->priority = p->priority;
-    s->created = s->last_used = Clock::now();
-    SessionInfo info = Info(*s, false);
-    sessions_[{ns, child}] = std::move(s);
-    return info;
-  });
+  return Call<StatusOr<SessionInfo>>([&] { return DoForkSession(ns, parent, child); });
+}
+
+StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::string& parent,
+                                            const std::string& child) {
+  QKV_RETURN_IF_ERROR(ValidateId(child, "child session_id"));
+  Session* p = FindSession(ns, parent);
+  if (!p) return NotFound("session '" + parent + "' not found");
+  if (p->busy) return FailedPrecondition("session '" + parent + "' is busy with another request");
+  if (sessions_.count({ns, child})) return Status(StatusCode::kAlreadyExists, "session '" + child + "' already exists");
+  auto s = std::make_unique<Session>();
+  s->id = child;
+  s->ns = ns;
+  s->ns_id = p->ns_id;
+  s->affinity_key = p->affinity_key;
+  s->ctx = p->ctx;  // shares the parent's blocks, copy-on-write
+  for (int b : s->ctx.kv.blocks) model_.blocks().Ref(b);
+  s->ttl_s = p->ttl_s;
+  s->priority = p->priority;
+  s->created = Clock::now();
+  Touch(*s);
+  SessionInfo info = Info(*s, false);
+  sessions_[{ns, child}] = std::move(s);
+  return info;
+}
+
+void Engine::TruncateSession(const std::string& ns, const std::string& id, int n_tokens,
+                             Done<StatusOr<SessionInfo>> done) {
+  Async<StatusOr<SessionInfo>>([=, this] { return DoTruncateSession(ns, id, n_tokens); }, std::move(done));
 }
 
 StatusOr<SessionInfo> Engine::TruncateSession(const std::string& ns, const std::string& id, int n_tokens) {
-  return Call<StatusOr<SessionInfo>>([&]() -> StatusOr<SessionInfo> {
-    Session* s = FindSession(ns, id);
-    if (!s) return NotFound("session '" + id + "' not found");
-    if (s->busy) return FailedPrecondition("session '" + id + "' is busy with another request");
-    if (n_tokens < 0 || n_tokens > static_cast<int>(s->ctx.tokens.size())) {
-      return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) +
-                             " (the session's length)");
-    }
-    TruncateCached(s->ctx, n_tokens, model_.blocks());
-    s->last_used = Clock::now();
-    return Info(*s, false);
-  });
+  return Call<StatusOr<SessionInfo>>([&] { return DoTruncateSession(ns, id, n_tokens); });
+}
+
+StatusOr<SessionInfo> Engine::DoTruncateSession(const std::string& ns, const std::string& id, int n_tokens) {
+  Session* s = FindSession(ns, id);
+  if (!s) return NotFound("session '" + id + "' not found");
+  if (s->busy) return FailedPrecondition("session '" + id + "' is busy with another request");
+  if (n_tokens < 0 || n_tokens > static_cast<int>(s->ctx.tokens.size())) {
+    return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) +
+                           " (the session's length)");
+  }
+  TruncateCached(s->ctx, n_tokens, model_.blocks());
+  Touch(*s);
+  return Info(*s, false);
+}
+
+void Engine::CloseSession(const std::string& ns, const std::string& id, Done<Status> done) {
+  Async<Status>([=, this] { return DoCloseSession(ns, id); }, std::move(done));
 }
 
 Status Engine::CloseSession(const std::string& ns, const std::string& id) {
-  return Call<Status>([&]() -> Status {
-    auto it = sessions_.find({ns, id});
-    if (it == sessions_.end()) return NotFound("session '" + id + "' not found");
-    if (it->second->busy)
-      return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
-    ReleaseBlocks(it->second->ctx.kv, model_.blocks());
-    sessions_.erase(it);
-    ++counters_.session_evictions_closed;
-    return {};
-  });
+  return Call<Status>([&] { return DoCloseSession(ns, id); });
+}
+
+Status Engine::DoCloseSession(const std::string& ns, const std::string& id) {
+  auto it = sessions_.find({ns, id});
+  if (it == sessions_.end()) return NotFound("session '" + id + "' not found");
+  if (it->second->busy) return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
+  ReleaseBlocks(it->second->ctx.kv, model_.blocks());
+  Forget(*it->second);
+  sessions_.erase(it);
+  ++counters_.session_evictions_closed;
+  return {};
+}
+
+// The snapshot walks every session and block: when that gets expensive (many sessions) it is published at
+// most every 50x its own cost, so it takes under 2% of the engine thread; a cheap one goes out every step.
+void Engine::MaybePublishStats() {
+  const auto now = Clock::now();
+  if (now < next_publish_) return;
+  PublishStats();
+  const auto cost = Clock::now() - now;
+  next_publish_ = cost < std::chrono::microseconds(200) ? Clock::time_point{} : now + 50 * cost;
 }
 
 void Engine::PublishStats() {
@@ -573,9 +686,10 @@ void Engine::PublishStats() {
   for (const auto& [id, q] : seqs_) account(q->ctx.kv);
   int64_t session_blocks = 0;
   for (const auto& [key, ss] : sessions_) {
-    account(ss->ctx.kv);
-    session_blocks += static_cast<int64_t>(ss->ctx.kv.blocks.size());
-    if (ss->evicted())
+    const CachedTokens& ctx = ss->turn ? ss->turn->ctx : ss->ctx;  // a busy session's KV is with its turn
+    account(ctx.kv);
+    session_blocks += static_cast<int64_t>(ctx.kv.blocks.size());
+    if (!ss->turn && ss->evicted())
       ++s.sessions_evicted;
     else
       ++s.sessions_resident;

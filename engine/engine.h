@@ -1,6 +1,7 @@
 // The continuous-batching engine: one thread owns the model, the KV cache, the sessions and the schedule.
-// Other threads talk to it through this class only: calls post a command to the engine thread and wait
-// for its answer (at most one step), and tokens stream back through RequestStream.
+// Other threads talk to it through this class only: calls post a command to the engine thread and get its
+// answer through a completion callback (or wait for it, in the synchronous forms), and tokens stream back
+// through RequestStream.
 //
 // Each step: run posted commands → close expired sessions → drop cancelled requests → plan (scheduler)
 // → one forward pass over the plan → sample, stream, retire finished sequences → publish a stats snapshot.
@@ -20,8 +21,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "engine/model.h"
@@ -98,19 +101,37 @@ class Engine {
   static StatusOr<std::unique_ptr<Engine>> Create(Model& model, const EngineOptions& opt);
   ~Engine();  // cancels what runs and joins the thread
 
+  // Every call below comes in two forms. The asynchronous one posts the work to the engine thread and
+  // returns at once; `done` runs on the engine thread with the result (exactly once, also at shutdown) and
+  // must not block: gRPC reactors use it to finish a call or to start a stream. The synchronous one waits
+  // for that result (at most one engine step), for tools and tests.
+  template <typename T>
+  using Done = std::function<void(T)>;
+  using StreamOrError = StatusOr<std::shared_ptr<RequestStream>>;
+
   // Validates and queues a request. Errors: INVALID_ARGUMENT (bad tokens, ranges, context overflow),
   // NOT_FOUND (unknown session), FAILED_PRECONDITION (session busy), RESOURCE_EXHAUSTED (queue full or
   // the request cannot fit even in an empty cache), ALREADY_EXISTS (request id in use), UNAVAILABLE (stopping).
-  StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateParams p);
-  // Cancels a request of namespace ns; unknown ids are a no-op. Takes effect within one step.
+  void Submit(GenerateParams p, Done<StreamOrError> done);
+  StreamOrError Submit(GenerateParams p);
+  // Cancels a request of namespace ns; unknown ids are a no-op. Takes effect within one step. Never waits.
   void Cancel(const std::string& ns, const std::string& request_id);
 
+  void CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
+                     std::vector<int> initial_tokens, Done<StatusOr<SessionInfo>> done);
   StatusOr<SessionInfo> CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
                                       std::vector<int> initial_tokens);
+  // A busy session (a turn running on it) reports its history before the turn and the blocks it holds now.
+  void GetSession(const std::string& ns, const std::string& id, bool with_tokens, Done<StatusOr<SessionInfo>> done);
   StatusOr<SessionInfo> GetSession(const std::string& ns, const std::string& id, bool with_tokens);
+  void ListSessions(const std::string& ns, Done<std::vector<SessionInfo>> done);
   std::vector<SessionInfo> ListSessions(const std::string& ns);
+  void ForkSession(const std::string& ns, const std::string& parent, const std::string& child,
+                   Done<StatusOr<SessionInfo>> done);
   StatusOr<SessionInfo> ForkSession(const std::string& ns, const std::string& parent, const std::string& child);
+  void TruncateSession(const std::string& ns, const std::string& id, int n_tokens, Done<StatusOr<SessionInfo>> done);
   StatusOr<SessionInfo> TruncateSession(const std::string& ns, const std::string& id, int n_tokens);
+  void CloseSession(const std::string& ns, const std::string& id, Done<Status> done);
   Status CloseSession(const std::string& ns, const std::string& id);
 
   // The snapshot published after the last step (never takes the engine's lock).
@@ -128,14 +149,30 @@ class Engine {
   Engine(Model& model, const EngineOptions& opt);
   void Loop();
   void Post(std::function<void()> fn);
+  // Runs fn on the engine thread and hands its result to done there.
+  template <typename T>
+  void Async(std::function<T()> fn, Done<T> done);
+  // Runs fn on the engine thread and waits for its result.
   template <typename T>
   T Call(std::function<T()> fn);
+  StreamOrError DoSubmit(GenerateParams p);
+  StatusOr<SessionInfo> DoCreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
+                                        std::vector<int> initial_tokens);
+  StatusOr<SessionInfo> DoGetSession(const std::string& ns, const std::string& id, bool with_tokens);
+  std::vector<SessionInfo> DoListSessions(const std::string& ns);
+  StatusOr<SessionInfo> DoForkSession(const std::string& ns, const std::string& parent, const std::string& child);
+  StatusOr<SessionInfo> DoTruncateSession(const std::string& ns, const std::string& id, int n_tokens);
+  Status DoCloseSession(const std::string& ns, const std::string& id);
   void Step();
   void Finish(Sequence* s, FinishReason reason, const std::string& stop_reason, Status error = {});
   void ExpireSessions();
+  // Marks a session used now and (re)queues its expiry; Forget dequeues it (before it is erased).
+  void Touch(Session& s);
+  void Forget(Session& s);
   bool EvictIdleSession();
   SessionInfo Info(const Session& s, bool with_tokens) const;
   void PublishStats();
+  void MaybePublishStats();
   Session* FindSession(const std::string& ns, const std::string& id);
   Status ValidateTokens(const std::vector<int>& tokens, const char* field) const;
 
@@ -157,12 +194,15 @@ class Engine {
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
   std::map<std::pair<std::string, std::string>, uint64_t> by_request_id_;
   std::map<std::pair<std::string, std::string>, std::unique_ptr<Session>> sessions_;
+  std::set<std::tuple<Clock::time_point, std::string, std::string>> expiry_;  // (deadline, ns, id), TTL > 0
   EngineStats counters_;
   // Per-step scratch, kept so that the step loop does not allocate.
+  std::vector<ScheduledChunk> step_chunks_;
   std::vector<BatchChunk> step_batch_;
   std::vector<int> step_starts_, step_idx_, stats_filled_;
   std::vector<float> step_row_;
 
+  Clock::time_point next_publish_{};
   mutable std::mutex stats_mu_;
   EngineStats published_;
 };

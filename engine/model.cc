@@ -230,7 +230,7 @@ size_t Model::scratch_bytes() const {
 
 DType Model::compute_dtype() const {
   return lm_head_->input_dtype() == DType::kBF16 || layers_[0].qkv->input_dtype() == DType::kBF16 ? DType::kBF16
-                                                                                                    : DType::kF32;
+                                                                                                  : DType::kF32;
 }
 
 void Model::RunLinear(const Linear& lin, const float* x, int rows, float* y) {
@@ -262,6 +262,23 @@ class PhaseTimer {
 };
 }  // namespace
 
+Status Model::CheckChunk(const BatchChunk& ch) const {
+  if (!ch.seq || ch.tokens.empty()) return InvalidArgument("forward: empty chunk");
+  const int64_t end = static_cast<int64_t>(ch.seq->n_tokens) + static_cast<int64_t>(ch.tokens.size());
+  if (end > max_ctx_) {
+    return InvalidArgument("forward: sequence would reach " + std::to_string(end) + " tokens, past the context of " +
+                           std::to_string(max_ctx_));
+  }
+  if (static_cast<int64_t>(ch.seq->blocks.size()) * opt_.block_size < end) {
+    return FailedPrecondition("forward: KV blocks not reserved for the chunk");
+  }
+  for (int t : ch.tokens) {
+    if (t < 0 || t >= cfg_.vocab)
+      return InvalidArgument("forward: token id " + std::to_string(t) + " out of vocabulary");
+  }
+  return {};
+}
+
 Status Model::Forward(std::span<const BatchChunk> batch) {
   const ModelConfig& c = cfg_;
   // Validate the whole batch before touching anything.
@@ -272,18 +289,7 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
     for (size_t cj = 0; cj < ci; ++cj) {
       if (batch[cj].seq == ch.seq) return InvalidArgument("forward: a sequence appears twice in one batch");
     }
-    const int end = ch.seq->n_tokens + static_cast<int>(ch.tokens.size());
-    if (end > max_ctx_) {
-      return InvalidArgument("forward: sequence would reach " + std::to_string(end) + " tokens, past the context of " +
-                             std::to_string(max_ctx_));
-    }
-    if (static_cast<int64_t>(ch.seq->blocks.size()) * opt_.block_size < end) {
-      return FailedPrecondition("forward: KV blocks not reserved for the chunk");
-    }
-    for (int t : ch.tokens) {
-      if (t < 0 || t >= c.vocab)
-        return InvalidArgument("forward: token id " + std::to_string(t) + " out of vocabulary");
-    }
+    QKV_RETURN_IF_ERROR(CheckChunk(ch));
     if (T + static_cast<int>(ch.tokens.size()) > opt_.max_batch_tokens) {
       return InvalidArgument("forward: batch exceeds " + std::to_string(opt_.max_batch_tokens) + " tokens");
     }

@@ -75,6 +75,9 @@ class Model {
   // see ReserveBlocks). Logits rows come out in chunk order: all of a chunk's tokens if all_logits, else
   // its last; they stay valid until the next Forward.
   Status Forward(std::span<const BatchChunk> batch);
+  // The checks Forward makes of one chunk (context, reserved blocks, token ids), so that a caller can
+  // drop a chunk the model would refuse instead of failing the whole batch.
+  Status CheckChunk(const BatchChunk& ch) const;
   const float* logits() const { return logits_.data(); }
 
   // Seconds spent per part of Forward since the last reset (only while profiling is on).

@@ -87,43 +87,71 @@ int Sampler::Sample(float* logits, int vocab) {
       if (t < vocab) logits[t] -= p_.frequency_penalty * static_cast<float>(cnt) + p_.presence_penalty;
     }
   }
-  if (p_.temperature == 0.0f) return ArgMax(logits, vocab);
+  // vLLM's rule: below 1e-5 the temperature means greedy (logits / T would overflow to infinity).
+  if (p_.temperature < kGreedyBelow) return ArgMax(logits, vocab);
 
-  // Candidates sorted by logit (ties: lower id first, so the order is total and reproducible).
+  // Candidates in rank order (logit descending, ties: lower id first, so the order is total and
+  // reproducible). Only as much of the order as the filters need is computed: top-k sorts k candidates,
+  // top-p sorts a growing head until its mass reaches p, min-p keeps the head above a threshold, and with
+  // none of them the draw walks the vocabulary in id order (the same distribution; no sort at all).
+  const float inv_t = 1.0f / p_.temperature;
   cand_.resize(vocab);
-  for (int i = 0; i < vocab; ++i) cand_[i] = {logits[i] / p_.temperature, i};
-  int n = vocab;
+  for (int i = 0; i < vocab; ++i) cand_[i] = {logits[i] * inv_t, i};
   auto by_logit = [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
+  int n = vocab;
   if (p_.top_k > 0 && p_.top_k < n) {
     std::partial_sort(cand_.begin(), cand_.begin() + p_.top_k, cand_.end(), by_logit);
     n = p_.top_k;
-  } else {
-    std::sort(cand_.begin(), cand_.end(), by_logit);
   }
+  float mx = cand_[0].first;
+  if (n == vocab) {
+    for (int i = 1; i < n; ++i) mx = std::max(mx, cand_[i].first);
+  }
+  // Unnormalized probabilities e_i = exp(l_i - max) of the candidates, in the order of cand_.
   probs_.resize(n);
-  const float mx = cand_[0].first;
-  double sum = 0;
-  for (int i = 0; i < n; ++i) sum += probs_[i] = std::exp(cand_[i].first - mx);
-  for (int i = 0; i < n; ++i) probs_[i] = static_cast<float>(probs_[i] / sum);
-  if (p_.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p (at least one token)
-    double cum = 0;
-    int keep = 0;
-    while (keep < n) {
-      cum += probs_[keep++];
-      if (cum >= p_.top_p) break;
-    }
-    n = keep;
-  }
-  if (p_.min_p > 0.0f) {  // drop tokens below min_p × the top probability
-    const float thr = p_.min_p * probs_[0];
-    int keep = 1;
-    while (keep < n && probs_[keep] >= thr) ++keep;
-    n = keep;
-  }
   double total = 0;
-  for (int i = 0; i < n; ++i) total += probs_[i];
+  for (int i = 0; i < n; ++i) total += probs_[i] = std::exp(cand_[i].first - mx);
+  bool sorted = n < vocab;  // top-k sorted its k
+  int keep = n;
+  if (p_.min_p > 0.0f) {  // e_i >= min_p is p_i >= min_p × the top probability
+    keep = 0;
+    for (int i = 0; i < n; ++i) keep += probs_[i] >= p_.min_p;
+    keep = std::max(keep, 1);
+  }
+  if (p_.top_p < 1.0f || keep < n) {
+    // Sort a head of the order that is long enough: the min-p head, or for top-p a head whose mass
+    // reaches top_p (at least one token), grown 4x at a time.
+    int head = sorted ? n : std::min(n, std::max(keep < n ? keep : 0, 64));
+    for (;;) {
+      if (!sorted) {
+        std::partial_sort(cand_.begin(), cand_.begin() + head, cand_.begin() + n, by_logit);
+        for (int i = 0; i < head; ++i) probs_[i] = std::exp(cand_[i].first - mx);
+        if (head == n) sorted = true;
+      }
+      int cut = std::min(keep, head);
+      if (p_.top_p < 1.0f) {
+        const double target = static_cast<double>(p_.top_p) * total;
+        double cum = 0;
+        int k = 0;
+        while (k < head) {
+          cum += probs_[k++];
+          if (cum >= target) break;
+        }
+        if (cum < target && head < n) {  // the head is too short to decide
+          head = std::min(n, head * 4);
+          sorted = false;
+          continue;
+        }
+        cut = std::min(cut, k);
+      }
+      n = std::max(cut, 1);
+      break;
+    }
+    total = 0;
+    for (int i = 0; i < n; ++i) total += probs_[i];
+  }
   const double r = rng_.Uniform() * total;
   double cum = 0;
   for (int i = 0; i < n; ++i) {

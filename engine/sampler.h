@@ -17,8 +17,11 @@
 
 namespace qkv {
 
+// Temperatures below this are greedy.
+inline constexpr float kGreedyBelow = 1e-5f;
+
 struct SamplingParams {
-  float temperature = 1.0f;
+  float temperature = 1.0f;  // < kGreedyBelow: greedy
   float top_p = 1.0f;
   int top_k = 0;  // 0 or -1: off
   float min_p = 0.0f;

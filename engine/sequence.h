@@ -24,6 +24,8 @@ struct CachedTokens {
   std::vector<uint64_t> hashes;  // chain hashes of the leading full blocks whose content is known
 };
 
+struct Sequence;
+
 struct Session {
   std::string id;
   std::string ns;
@@ -33,7 +35,11 @@ struct Session {
   double ttl_s = 0;  // idle time before it is closed; 0: never
   int priority = 0;
   Clock::time_point created, last_used;
+  Clock::time_point expires_at;  // last_used + ttl, while queued in the engine's expiry order
+  bool expiry_queued = false;
   bool busy = false;  // a request is running on it
+  // The running turn while busy: the context (and its blocks) are with it until it finishes.
+  const Sequence* turn = nullptr;
   bool evicted() const { return ctx.kv.blocks.empty() && !ctx.tokens.empty(); }
 };
 

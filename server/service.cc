@@ -1,5 +1,6 @@
 #include "server/service.h"
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 
@@ -68,28 +69,30 @@ void FillSession(const SessionInfo& i, pb::Session* s) {
   for (int t : i.tokens) s->add_token_ids(t);
 }
 
-// Authenticates, converts and submits a generation; the prompt tokens are kept for prompt logprobs.
-StatusOr<std::shared_ptr<RequestStream>> StartRequest(InferenceService* svc, grpc::CallbackServerContext* ctx,
-                                                      const pb::GenerateRequest& req, std::vector<int>* prompt) {
+// Authenticates and converts a generation on the caller's thread (stateless checks, tokenization); the
+// prompt tokens are kept for prompt logprobs. What the engine decides comes back through Engine::Submit's
+// completion callback.
+StatusOr<GenerateParams> PrepareRequest(InferenceService* svc, grpc::CallbackServerContext* ctx,
+                                        const pb::GenerateRequest& req, std::vector<int>* prompt) {
   QKV_ASSIGN_OR_RETURN(std::string ns, svc->Authenticate(ctx));
   QKV_ASSIGN_OR_RETURN(GenerateParams params, svc->ToParams(req, ns));
   *prompt = params.prompt;
-  return svc->engine().Submit(std::move(params));
+  return params;
 }
 
 // One streaming Generate: engine events are pumped into gRPC writes, one write in flight at a time.
-// The engine thread wakes the pump through the stream's listener; gRPC wakes it on write completion.
+// The constructor never waits: the engine accepts or refuses the request in a callback on its thread
+// (OnAccepted). The reactor is not finished before that callback has run, so it outlives it. The engine
+// thread wakes the pump through the stream's listener; gRPC wakes it on write completion.
 class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
   GenerateReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req) {
-    auto st = StartRequest(svc, ctx, *req, &prompt_);
-    if (!st.ok()) {
-      FinishNow(ToGrpc(st.status()));
+    auto params = PrepareRequest(svc, ctx, *req, &prompt_);
+    if (!params.ok()) {
+      FinishNow(ToGrpc(params.status()));
       return;
     }
-    stream_ = *st;
-    stream_->SetListener([this] { Pump(); });
-    Pump();
+    svc->engine().Submit(std::move(*params), [this](Engine::StreamOrError r) { OnAccepted(std::move(r)); });
   }
 
   void OnWriteDone(bool ok) override {
@@ -109,8 +112,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   }
 
   void OnCancel() override {  // client cancel, dropped stream or deadline
-    if (stream_) stream_->Cancel();
     std::lock_guard<std::mutex> l(mu_);
+    cancelled_ = true;
+    if (!accepted_) return;  // OnAccepted finishes the call
+    if (stream_) stream_->Cancel();
     if (!done_ && !writing_) {
       done_ = true;
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
@@ -129,6 +134,26 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   void FinishNow(const grpc::Status& s) {
     done_ = true;
     Finish(s);
+  }
+
+  // On the engine thread: the request was queued (or refused). No event can have been pushed yet (pushes
+  // happen on this thread, in later steps), so attaching the listener is enough; calling Pump here could
+  // race with a cancel that finishes and deletes the reactor. SetListener under mu_ cannot deadlock: the
+  // listener only runs on this thread.
+  void OnAccepted(Engine::StreamOrError r) {
+    std::lock_guard<std::mutex> l(mu_);
+    accepted_ = true;
+    if (!r.ok()) {
+      FinishNow(ToGrpc(r.status()));
+      return;
+    }
+    stream_ = *r;
+    if (cancelled_) {
+      stream_->Cancel();
+      FinishNow(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      return;
+    }
+    stream_->SetListener([this] { Pump(); });
   }
 
   void Pump() {
@@ -163,6 +188,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   bool first_ = true;
   bool writing_ = false;
   bool done_ = false;
+  bool accepted_ = false;
+  bool cancelled_ = false;
 };
 
 // Unary Complete: collects the engine's events into one response.
@@ -171,18 +198,18 @@ class CompleteReactor final : public grpc::ServerUnaryReactor {
   CompleteReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req,
                   pb::CompleteResponse* resp)
       : resp_(resp) {
-    auto st = StartRequest(svc, ctx, *req, &prompt_);
-    if (!st.ok()) {
-      Finish(ToGrpc(st.status()));
+    auto params = PrepareRequest(svc, ctx, *req, &prompt_);
+    if (!params.ok()) {
+      finished_ = true;
+      Finish(ToGrpc(params.status()));
       return;
     }
-    stream_ = *st;
-    resp_->set_request_id(stream_->request_id());
-    stream_->SetListener([this] { Drain(); });
-    Drain();
+    svc->engine().Submit(std::move(*params), [this](Engine::StreamOrError r) { OnAccepted(std::move(r)); });
   }
   void OnCancel() override {
-    if (stream_) stream_->Cancel();
+    std::lock_guard<std::mutex> l(mu_);
+    cancelled_ = true;
+    if (stream_) stream_->Cancel();  // the engine ends it; Drain finishes the call
   }
   void OnDone() override {
     if (stream_) {
@@ -193,6 +220,21 @@ class CompleteReactor final : public grpc::ServerUnaryReactor {
   }
 
  private:
+  // On the engine thread: the request was queued (or refused); until then the call is not finished.
+  // As in GenerateReactor, no event exists yet, so attaching the listener is enough.
+  void OnAccepted(Engine::StreamOrError r) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!r.ok()) {
+      finished_ = true;
+      Finish(ToGrpc(r.status()));
+      return;
+    }
+    stream_ = *r;
+    resp_->set_request_id(stream_->request_id());
+    if (cancelled_) stream_->Cancel();
+    stream_->SetListener([this] { Drain(); });
+  }
+
   void Drain() {
     std::lock_guard<std::mutex> l(mu_);
     StreamEvent e;
@@ -214,12 +256,21 @@ class CompleteReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<RequestStream> stream_;
   std::vector<int> prompt_;
   bool finished_ = false;
+  bool cancelled_ = false;
 };
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
   auto* r = ctx->DefaultReactor();
   r->Finish(s);
   return r;
+}
+
+// The engine's answer to a session call finishes the call (on the engine thread; never blocks).
+Engine::Done<StatusOr<SessionInfo>> SessionDone(grpc::ServerUnaryReactor* reactor, pb::Session* resp) {
+  return [reactor, resp](StatusOr<SessionInfo> r) {
+    if (r.ok()) FillSession(*r, resp);
+    reactor->Finish(ToGrpc(r.status()));
+  };
 }
 
 }  // namespace
@@ -340,19 +391,20 @@ grpc::ServerUnaryReactor* InferenceService::CreateSession(grpc::CallbackServerCo
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
   if (draining_) return Done(ctx, ToGrpc(Status(StatusCode::kUnavailable, "the server is draining")));
   const std::string id = req->has_session_id() ? req->session_id() : NewId("s");
-  auto r = engine_.CreateSession(*ns, id, req->ttl_seconds(), req->priority(),
-                                 std::vector<int>(req->initial_token_ids().begin(), req->initial_token_ids().end()));
-  if (r.ok()) FillSession(*r, resp);
-  return Done(ctx, ToGrpc(r.status()));
+  auto* reactor = ctx->DefaultReactor();
+  engine_.CreateSession(*ns, id, req->ttl_seconds(), req->priority(),
+                        std::vector<int>(req->initial_token_ids().begin(), req->initial_token_ids().end()),
+                        SessionDone(reactor, resp));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* InferenceService::GetSession(grpc::CallbackServerContext* ctx,
                                                        const pb::GetSessionRequest* req, pb::Session* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
-  auto r = engine_.GetSession(*ns, req->session_id(), req->include_token_ids());
-  if (r.ok()) FillSession(*r, resp);
-  return Done(ctx, ToGrpc(r.status()));
+  auto* reactor = ctx->DefaultReactor();
+  engine_.GetSession(*ns, req->session_id(), req->include_token_ids(), SessionDone(reactor, resp));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* InferenceService::ListSessions(grpc::CallbackServerContext* ctx,
@@ -360,8 +412,12 @@ grpc::ServerUnaryReactor* InferenceService::ListSessions(grpc::CallbackServerCon
                                                          pb::ListSessionsResponse* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
-  for (const SessionInfo& i : engine_.ListSessions(*ns)) FillSession(i, resp->add_sessions());
-  return Done(ctx, grpc::Status::OK);
+  auto* reactor = ctx->DefaultReactor();
+  engine_.ListSessions(*ns, [reactor, resp](std::vector<SessionInfo> all) {
+    for (const SessionInfo& i : all) FillSession(i, resp->add_sessions());
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* InferenceService::ForkSession(grpc::CallbackServerContext* ctx,
@@ -369,18 +425,18 @@ grpc::ServerUnaryReactor* InferenceService::ForkSession(grpc::CallbackServerCont
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
   const std::string child = req->has_child_session_id() ? req->child_session_id() : NewId("s");
-  auto r = engine_.ForkSession(*ns, req->session_id(), child);
-  if (r.ok()) FillSession(*r, resp);
-  return Done(ctx, ToGrpc(r.status()));
+  auto* reactor = ctx->DefaultReactor();
+  engine_.ForkSession(*ns, req->session_id(), child, SessionDone(reactor, resp));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* InferenceService::TruncateSession(grpc::CallbackServerContext* ctx,
                                                             const pb::TruncateSessionRequest* req, pb::Session* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
-  auto r = engine_.TruncateSession(*ns, req->session_id(), req->num_tokens());
-  if (r.ok()) FillSession(*r, resp);
-  return Done(ctx, ToGrpc(r.status()));
+  auto* reactor = ctx->DefaultReactor();
+  engine_.TruncateSession(*ns, req->session_id(), req->num_tokens(), SessionDone(reactor, resp));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* InferenceService::CloseSession(grpc::CallbackServerContext* ctx,
@@ -388,7 +444,9 @@ grpc::ServerUnaryReactor* InferenceService::CloseSession(grpc::CallbackServerCon
                                                          pb::CloseSessionResponse*) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
-  return Done(ctx, ToGrpc(engine_.CloseSession(*ns, req->session_id())));
+  auto* reactor = ctx->DefaultReactor();
+  engine_.CloseSession(*ns, req->session_id(), [reactor](Status st) { reactor->Finish(ToGrpc(st)); });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* ctx, const pb::TokenizeRequest* req,
@@ -502,18 +560,23 @@ grpc::ServerUnaryReactor* InferenceService::GetStats(grpc::CallbackServerContext
   r->set_memory_heap_bytes(mem.heap);
   r->set_memory_other_bytes(mem.other);
   r->set_resident_memory_bytes(mem.rss);
-  std::vector<SessionInfo> mine = engine_.ListSessions(*ns);
-  std::sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.resident_bytes > b.resident_bytes; });
   const size_t top = req->top_sessions() > 0 ? static_cast<size_t>(req->top_sessions()) : 10;
-  for (size_t i = 0; i < mine.size() && i < top; ++i) {
-    auto* u = r->add_top_sessions();
-    u->set_session_id(mine[i].id);
-    u->set_resident_bytes(mine[i].resident_bytes);
-    u->set_resident_blocks(mine[i].resident_blocks);
-    u->set_num_tokens(mine[i].n_tokens);
-    u->set_state(mine[i].evicted ? "evicted" : "resident");
-  }
-  return Done(ctx, grpc::Status::OK);
+  auto* reactor = ctx->DefaultReactor();
+  engine_.ListSessions(*ns, [reactor, r, top](std::vector<SessionInfo> mine) {
+    const size_t n = std::min(top, mine.size());
+    std::partial_sort(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(n), mine.end(),
+                      [](const auto& a, const auto& b) { return a.resident_bytes > b.resident_bytes; });
+    for (size_t i = 0; i < n; ++i) {
+      auto* u = r->add_top_sessions();
+      u->set_session_id(mine[i].id);
+      u->set_resident_bytes(mine[i].resident_bytes);
+      u->set_resident_blocks(mine[i].resident_blocks);
+      u->set_num_tokens(mine[i].n_tokens);
+      u->set_state(mine[i].evicted ? "evicted" : "resident");
+    }
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
 }
 
 }  // namespace qkv::server

@@ -340,6 +340,41 @@ TEST_F(EngineTest, RandomizedStress) {
 namespace qkv {
 namespace {
 
+// While a turn runs, the session reports its history and the blocks it holds (it used to list as 0 tokens,
+// 0 bytes because its context moves into the running request).
+TEST_F(EngineTest, BusySessionReportsItsHistoryAndBlocks) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("", "busy", 0, 0, {}).ok());
+  Run(Greedy(Prompt(90, 1), 10, "busy"));
+  auto idle = engine_->GetSession("", "busy", true);
+  ASSERT_TRUE(idle.ok());
+  ASSERT_EQ(idle->n_tokens, 100);
+  ASSERT_GT(idle->resident_bytes, 0);
+  // A long turn; engine calls are answered between steps, so it is still running when they are.
+  auto st = engine_->Submit(Greedy(Prompt(30, 2), 120, "busy"));
+  ASSERT_TRUE(st.ok());
+  StreamEvent e;
+  ASSERT_TRUE((*st)->Next(&e, std::chrono::seconds(60)));  // the turn has started
+  auto busy = engine_->GetSession("", "busy", true);
+  ASSERT_TRUE(busy.ok());
+  EXPECT_TRUE(busy->busy);
+  EXPECT_EQ(busy->n_tokens, 100);
+  EXPECT_EQ(busy->tokens, idle->tokens);
+  EXPECT_GE(busy->resident_bytes, idle->resident_bytes);
+  const auto list = engine_->ListSessions("");
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].n_tokens, 100);
+  EXPECT_GE(list[0].resident_blocks, idle->resident_blocks);
+  engine_->RunOnEngineThread([] {});
+  EXPECT_GE(engine_->Stats().session_kv_bytes, idle->resident_bytes);
+  EXPECT_EQ(engine_->Stats().sessions_resident, 1);
+  (*st)->Cancel();
+  Drain(*st);
+  auto after = engine_->GetSession("", "busy", true);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tokens, idle->tokens);  // a cancelled turn leaves the history as it was
+}
+
 TEST_F(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("", "short", 0.2, 0, {}).ok());

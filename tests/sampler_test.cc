@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
+#include <random>
+#include <set>
 
 namespace qkv {
 namespace {
@@ -98,6 +102,76 @@ TEST(Sampler, ValidationNamesTheField) {
   EXPECT_NE(p.Validate().message().find("min_p"), std::string::npos);
   p = {};
   EXPECT_TRUE(p.Validate().ok());
+}
+
+// A large vocabulary, where the sampler sorts only a head of the order: the support of top-p and min-p is
+// exactly the brute-force one, and plain temperature sampling follows the softmax.
+TEST(Sampler, PartialSelectionKeepsTheSupportAndTheDistribution) {
+  const int V = 5000;
+  std::vector<float> base(V);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (auto& x : base) x = nd(rng);
+  // Brute force: ids by logit descending, probabilities.
+  std::vector<int> order(V);
+  for (int i = 0; i < V; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return base[a] > base[b] || (base[a] == base[b] && a < b); });
+  const float mx = base[order[0]];
+  double total = 0;
+  for (float x : base) total += std::exp(x - mx);
+  auto prob = [&](int id) { return std::exp(base[id] - mx) / total; };
+  for (float top_p : {0.05f, 0.5f, 0.95f}) {
+    size_t keep = 0;
+    double cum = 0;
+    while (keep < order.size()) {
+      cum += prob(order[keep++]);
+      if (cum >= top_p) break;
+    }
+    const std::set<int> support(order.begin(), order.begin() + keep);
+    SamplingParams p;
+    p.top_p = top_p;
+    p.seed = 3;
+    Sampler smp(p, {});
+    std::set<int> seen;
+    for (int i = 0; i < 3000; ++i) {
+      auto l = base;
+      seen.insert(smp.Sample(l.data(), V));
+    }
+    for (int id : seen) {
+      EXPECT_TRUE(support.count(id)) << "top_p " << top_p << ": id " << id << " outside the support";
+    }
+    if (keep <= 3) {
+      EXPECT_EQ(seen.size(), keep);
+    }
+  }
+  {
+    SamplingParams p;
+    p.min_p = 0.2f;
+    p.seed = 4;
+    Sampler smp(p, {});
+    for (int i = 0; i < 500; ++i) {
+      auto l = base;
+      const int id = smp.Sample(l.data(), V);
+      EXPECT_GE(prob(id), 0.2 * prob(order[0]) * (1 - 1e-6));
+    }
+  }
+  {
+    SamplingParams p;
+    p.seed = 5;
+    Sampler smp(p, {});
+    std::map<int, int> counts;
+    const int draws = 20000;
+    for (int i = 0; i < draws; ++i) {
+      auto l = base;
+      ++counts[smp.Sample(l.data(), V)];
+    }
+    for (int r = 0; r < 3; ++r) {
+      const int id = order[r];
+      const double want = prob(id), got = static_cast<double>(counts[id]) / draws;
+      EXPECT_NEAR(got, want, 4 * std::sqrt(want * (1 - want) / draws) + 1e-3) << "rank " << r;
+    }
+  }
 }
 
 TEST(Rng, IsReproducibleAndUniform) {

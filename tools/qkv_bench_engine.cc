@@ -4,6 +4,7 @@
 //     sent fresh (in another namespace, so no prefix-cache hit);
 //   * KV memory efficiency at steady state with mixed lengths: allocated slots ÷ slots holding tokens.
 // Usage: qkv-bench-engine --model MODEL.gguf [--threads 2] [--concurrency 1,4,16,64] [--gen 64]
+//        [--temperature T] [--idle-sessions N]
 #include <omp.h>
 #include <spdlog/spdlog.h>
 
@@ -60,6 +61,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--gen", gen, "tokens generated per sequence")->capture_default_str();
   app.add_option("--history", history, "session history before the measured turn")->capture_default_str();
+  float temperature = 0;
+  int idle_sessions = 0;
+  app.add_option("--idle-sessions", idle_sessions,
+                 "idle sessions (8 tokens each, TTL 1 h) created before the decode figure")
+      ->capture_default_str();
+  app.add_option("--temperature", temperature, "sampling temperature of the decode figure (0: greedy)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   omp_set_num_threads(threads);
@@ -85,11 +93,26 @@ int main(int argc, char** argv) {
   if (!e.ok()) return 1;
   qkv::Engine& eng = **e;
 
+  // Idle sessions: the per-step cost must not grow with them.
+  for (int i = 0; i < idle_sessions; ++i) {
+    auto r = eng.CreateSession("idle", "s" + std::to_string(i), 3600, 0, Tokens(8, i, V));
+    if (!r.ok()) {
+      std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+      return 1;
+    }
+  }
+  if (idle_sessions > 0) std::printf("%d idle sessions\n", idle_sessions);
+
   // 1. Aggregate decode throughput.
   double single = 0;
   for (int c : conc) {
     std::vector<std::shared_ptr<qkv::RequestStream>> st;
-    for (int i = 0; i < c; ++i) st.push_back(*eng.Submit(Greedy(Tokens(16, 1000 + i, V), gen)));
+    for (int i = 0; i < c; ++i) {
+      auto p = Greedy(Tokens(16, 1000 + i, V), gen);
+      p.sampling.temperature = temperature;
+      p.sampling.seed = 1 + i;
+      st.push_back(*eng.Submit(p));
+    }
     // One reader thread per stream records when its first token arrives; the decode phase is timed from
     // the moment every sequence has its first token to the end.
     std::vector<int> tokens(c, 0);
