@@ -8,7 +8,7 @@
 // Full blocks are content-addressed by a hash chain: hash(parent hash, namespace, the block's tokens).
 // The tokens and parent are stored with the block and compared on lookup, so a 64-bit hash collision
 // can never hand out wrong K/V. A block that is referenced more than once, or that is registered in
-// the cache, is never written in place: writers copy it first (see BlockTable users in scheduler.cc).
+// the cache, is never written in place: writers copy it first (Scheduler::EnsureBlocks).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/kv_cache.h"
 #include "engine/status.h"
 
 namespace qkv {
@@ -75,13 +76,6 @@ class KvBlockPool {
   std::list<int> lru_;  // cached blocks, least recently used first
   std::unordered_map<uint64_t, int> index_;
   std::unordered_map<std::string, uint32_t> namespaces_;
-};
-
-// One sequence's view of the cache: its blocks (position p is in blocks[p / block_size]) and how many
-// positions hold K/V.
-struct SeqKv {
-  std::vector<int> blocks;
-  int n_tokens = 0;
 };
 
 // Ensures seq has blocks for `n_tokens` positions (fresh ones, ref 1); ResourceExhausted if short, in

@@ -54,7 +54,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
 Engine::Engine(Model& model, const EngineOptions& opt)
     : model_(model),
       opt_(opt),
-      scheduler_(model.blocks(), model.kv(), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {}
+      scheduler_(model.kv(), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {}
 
 Engine::~Engine() {
   Shutdown();
@@ -66,8 +66,8 @@ Engine::~Engine() {
   if (thread_.joinable()) thread_.join();
   // Run anything posted after the loop ended so no caller waits forever.
   for (auto& fn : commands_) fn();
-  for (auto& [id, s] : seqs_) ReleaseBlocks(s->ctx.kv, model_.blocks());
-  for (auto& [key, s] : sessions_) ReleaseBlocks(s->ctx.kv, model_.blocks());
+  for (auto& [id, s] : seqs_) ReleaseBlocks(s->ctx.kv, scheduler_.pool());
+  for (auto& [key, s] : sessions_) ReleaseBlocks(s->ctx.kv, scheduler_.pool());
 }
 
 void Engine::Post(std::function<void()> fn) {
@@ -192,14 +192,14 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
         " tokens" + (session ? "; truncate the session (TruncateSession) or start a new one" : ""));
   }
   const int B = model_.options().block_size;
-  if ((ctx_len + max_tokens + B - 1) / B > model_.blocks().total_blocks()) {
+  if ((ctx_len + max_tokens + B - 1) / B > scheduler_.pool().total_blocks()) {
     return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
                              " tokens of KV cache, more than the whole cache holds (" +
-                             std::to_string(model_.blocks().total_blocks() * B) + ")");
+                             std::to_string(scheduler_.pool().total_blocks() * B) + ")");
   }
   auto s = std::make_unique<Sequence>();
   s->id = next_seq_id_++;
-  s->ns_id = model_.blocks().Namespace(p.ns);
+  s->ns_id = scheduler_.pool().Namespace(p.ns);
   s->max_tokens = static_cast<int>(max_tokens);  // <= the context
   s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
   if (session) {
@@ -252,7 +252,7 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
   if (s->scheduled_once) counters_.queue.Observe(e.timings.queue_s);
   if (s->params.prompt_logprobs && !s->prompt_logprobs_sent) e.prompt_logprobs = s->prompt_logprobs;
 
-  KvBlockPool& pool = model_.blocks();
+  KvBlockPool& pool = scheduler_.pool();
   if (Session* ss = s->session) {
     if (reason != FinishReason::kStop && reason != FinishReason::kLength) {
       // The turn failed: back to exactly the history before it.
@@ -292,7 +292,7 @@ bool Engine::EvictIdleSession() {
     }
   }
   if (!victim) return false;
-  ReleaseBlocks(victim->ctx.kv, model_.blocks());
+  ReleaseBlocks(victim->ctx.kv, scheduler_.pool());
   victim->ctx.hashes.clear();
   ++counters_.session_evictions_memory;
   return true;
@@ -325,7 +325,7 @@ void Engine::ExpireSessions() {
     Session& s = *it->second;
     s.expiry_queued = false;
     if (s.busy) continue;  // re-queued by Touch when its turn ends
-    ReleaseBlocks(s.ctx.kv, model_.blocks());
+    ReleaseBlocks(s.ctx.kv, scheduler_.pool());
     ++counters_.session_evictions_ttl;
     sessions_.erase(it);
   }
@@ -537,7 +537,7 @@ StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::
   auto s = std::make_unique<Session>();
   s->id = id;
   s->ns = ns;
-  s->ns_id = model_.blocks().Namespace(ns);
+  s->ns_id = scheduler_.pool().Namespace(ns);
   s->affinity_key = id;
   s->ctx.tokens = std::move(initial_tokens);
   s->ttl_s = ttl_s;
@@ -602,7 +602,7 @@ StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::st
   s->ns_id = p->ns_id;
   s->affinity_key = p->affinity_key;
   s->ctx = p->ctx;  // shares the parent's blocks, copy-on-write
-  for (int b : s->ctx.kv.blocks) model_.blocks().Ref(b);
+  for (int b : s->ctx.kv.blocks) scheduler_.pool().Ref(b);
   s->ttl_s = p->ttl_s;
   s->priority = p->priority;
   s->created = Clock::now();
@@ -629,7 +629,7 @@ StatusOr<SessionInfo> Engine::DoTruncateSession(const std::string& ns, const std
     return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) +
                            " (the session's length)");
   }
-  TruncateCached(s->ctx, n_tokens, model_.blocks());
+  TruncateCached(s->ctx, n_tokens, scheduler_.pool());
   Touch(*s);
   return Info(*s, false);
 }
@@ -646,7 +646,7 @@ Status Engine::DoCloseSession(const std::string& ns, const std::string& id) {
   auto it = sessions_.find({ns, id});
   if (it == sessions_.end()) return NotFound("session '" + id + "' not found");
   if (it->second->busy) return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
-  ReleaseBlocks(it->second->ctx.kv, model_.blocks());
+  ReleaseBlocks(it->second->ctx.kv, scheduler_.pool());
   Forget(*it->second);
   sessions_.erase(it);
   ++counters_.session_evictions_closed;
@@ -665,7 +665,7 @@ void Engine::MaybePublishStats() {
 
 void Engine::PublishStats() {
   EngineStats s = counters_;
-  const KvBlockPool& pool = model_.blocks();
+  const KvBlockPool& pool = scheduler_.pool();
   const int B = pool.block_size();
   s.blocks_total = pool.total_blocks();
   s.blocks_used = pool.used_blocks();
@@ -715,7 +715,7 @@ EngineStats Engine::Stats() const {
 
 std::string Engine::CheckConsistency() {
   return Call<std::string>([this] {
-    const KvBlockPool& pool = model_.blocks();
+    const KvBlockPool& pool = scheduler_.pool();
     std::string err = pool.CheckInvariants();
     if (!err.empty()) return err;
     std::vector<int> refs(static_cast<size_t>(pool.total_blocks()), 0);

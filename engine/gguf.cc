@@ -11,7 +11,7 @@
 #include <fstream>
 #include <limits>
 
-#include "engine/kernels/bf16.h"
+#include "engine/bf16.h"
 
 namespace qkv {
 namespace {

@@ -2,16 +2,17 @@
 //
 // Layout of each of K and V: [layer][block][kv_head][slot][head_dim], so one kv head's keys inside a
 // block are contiguous. A sequence addresses its tokens through a BlockTable (block ids in position
-// order): position p lives in block table[p / block_size], slot p % block_size.
+// order, a SeqKv): position p lives in block blocks[p / block_size], slot p % block_size.
 //
 // The arena is allocated and touched once at start-up. This class only stores; ownership of blocks
 // (reference counts, prefix sharing, eviction) belongs to KvBlockPool (block_manager.h).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
-#include "engine/kernels/linear.h"
+#include "engine/dtype.h"
 #include "engine/status.h"
 
 namespace qkv {
@@ -25,6 +26,13 @@ struct KvCacheShape {
   DType dtype = DType::kBF16;
   int64_t bytes_per_token() const { return int64_t{n_layers} * 2 * n_kv_heads * head_dim * DTypeBytes(dtype); }
   int64_t bytes_per_block() const { return bytes_per_token() * block_size; }
+};
+
+// One sequence's view of the cache: its blocks (position p is in blocks[p / block_size]) and how many
+// positions hold K/V.
+struct SeqKv {
+  std::vector<int> blocks;
+  int n_tokens = 0;
 };
 
 class KvCache {

@@ -9,8 +9,8 @@
 #include <cstring>
 #include <fstream>
 
+#include "engine/bf16.h"
 #include "engine/kernels/attention.h"
-#include "engine/kernels/bf16.h"
 
 namespace qkv {
 namespace {
@@ -48,6 +48,8 @@ int64_t MemAvailableBytes() {
 }
 
 }  // namespace
+
+RopeStyle RopeStyleOf(Arch a) { return a == Arch::kLlama ? RopeStyle::kInterleaved : RopeStyle::kHalves; }
 
 Model::~Model() = default;
 
@@ -104,7 +106,6 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     ks.n_blocks = ctx_blocks;
   }
   QKV_ASSIGN_OR_RETURN(m->kv_, KvCache::Create(ks));
-  m->pool_ = std::make_unique<KvBlockPool>(ks.n_blocks, opt.block_size);
   spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks,
                ks.block_size, ks.n_blocks * ks.block_size, static_cast<double>(m->kv_->arena_bytes()) / (1 << 20),
                ks.bytes_per_token(), DTypeName(ks.dtype));

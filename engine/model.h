@@ -15,7 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "engine/block_manager.h"
 #include "engine/kernels/linear.h"
 #include "engine/kernels/ops.h"
 #include "engine/kv_cache.h"
@@ -23,6 +22,9 @@
 #include "engine/tokenizer.h"
 
 namespace qkv {
+
+// RoPE pairing per architecture, as llama.cpp defines it.
+RopeStyle RopeStyleOf(Arch a);
 
 struct ModelOptions {
   std::string tokenizer_path;  // a tokenizer.json to use instead of the GGUF's tokenizer
@@ -58,7 +60,6 @@ class Model {
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   KvCache& kv() { return *kv_; }
   const KvCache& kv() const { return *kv_; }
-  KvBlockPool& blocks() { return *pool_; }
   int max_context() const { return max_ctx_; }
   // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.
   size_t weight_bytes() const { return weight_bytes_; }
@@ -111,7 +112,6 @@ class Model {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<GemmRuntime> rt_;
   std::unique_ptr<KvCache> kv_;
-  std::unique_ptr<KvBlockPool> pool_;
   std::unique_ptr<RopeTable> rope_;
   std::vector<Layer> layers_;
   std::vector<float> embed_f32_;      // [vocab][hidden] when weights are f32

@@ -21,8 +21,6 @@ StatusOr<Arch> ParseArch(const std::string& s) {
   return InvalidArgument("unsupported architecture '" + s + "' (supported: llama, qwen2, qwen3)");
 }
 
-RopeStyle RopeStyleOf(Arch a) { return a == Arch::kLlama ? RopeStyle::kInterleaved : RopeStyle::kHalves; }
-
 const char* ModelConfig::AttentionKind() const {
   if (n_kv_heads == n_heads) return "MHA";
   if (n_kv_heads == 1) return "MQA";

@@ -13,15 +13,8 @@ namespace qkv {
 
 enum class Arch { kLlama, kQwen2, kQwen3 };
 
-// How RoPE pairs the dimensions of a head, as llama.cpp defines it per architecture.
-enum class RopeStyle {
-  kInterleaved,  // pairs (2i, 2i+1): llama (its converters permute Q/K so this equals HF's rotate_half)
-  kHalves,       // pairs (i, i + rotary_dim/2): qwen2, qwen3 ("neox" in llama.cpp)
-};
-
 const char* ArchName(Arch a);
 StatusOr<Arch> ParseArch(const std::string& s);
-RopeStyle RopeStyleOf(Arch a);
 
 // Keys under the project's own prefix, for features llama.cpp's metadata does not describe.
 inline constexpr const char* kKeyOutputGate = "qkvserve.attention.output_gate";

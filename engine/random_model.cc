@@ -3,7 +3,7 @@
 #include <cmath>
 #include <vector>
 
-#include "engine/sampler.h"
+#include "engine/rng.h"
 #include "engine/tokenizer.h"
 
 namespace qkv {

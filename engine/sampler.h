@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/rng.h"
 #include "engine/status.h"
 
 namespace qkv {
@@ -30,18 +31,6 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;
   std::optional<uint64_t> seed;  // absent: a random seed
   Status Validate() const;       // messages name the field
-};
-
-// A small, portable generator (SplitMix64 seeding xoshiro256**): the same seed gives the same stream on
-// every platform, which std::uniform_real_distribution does not promise.
-class Rng {
- public:
-  explicit Rng(uint64_t seed);
-  uint64_t Next();
-  double Uniform();  // [0, 1) with 53 random bits
-
- private:
-  uint64_t s_[4];
 };
 
 class Sampler {

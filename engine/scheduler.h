@@ -43,8 +43,12 @@ class Scheduler {
   // Drops one idle session's KV to free blocks; false when no idle session holds any.
   using Evictor = std::function<bool()>;
 
-  Scheduler(KvBlockPool& pool, KvCache& kv, const SchedulerOptions& opt) : pool_(pool), kv_(kv), opt_(opt) {}
+  // The scheduler owns the block pool over kv's blocks (who holds which block, the prefix cache).
+  Scheduler(KvCache& kv, const SchedulerOptions& opt)
+      : pool_(kv.shape().n_blocks, kv.shape().block_size), kv_(kv), opt_(opt) {}
   const SchedulerOptions& options() const { return opt_; }
+  KvBlockPool& pool() { return pool_; }
+  const KvBlockPool& pool() const { return pool_; }
 
   // Moves admissible waiting sequences to running (priority order, then arrival), reusing cached prefix
   // blocks, then plans one step.
@@ -70,7 +74,7 @@ class Scheduler {
                 const Evictor& evict);
   void Preempt(Sequence& s);
 
-  KvBlockPool& pool_;
+  KvBlockPool pool_;
   KvCache& kv_;
   SchedulerOptions opt_;
   uint64_t prefix_queries_ = 0, prefix_hits_ = 0, preemptions_ = 0;

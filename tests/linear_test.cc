@@ -9,7 +9,7 @@
 #include <cstring>
 #include <random>
 
-#include "engine/kernels/bf16.h"
+#include "engine/bf16.h"
 
 namespace qkv {
 namespace {

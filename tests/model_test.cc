@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 
-#include "engine/kernels/bf16.h"
+#include "engine/bf16.h"
+#include "engine/block_manager.h"
 #include "engine/sampler.h"
 #include "tests/test_util.h"
 
@@ -24,10 +26,18 @@ std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batc
   return m.ok() ? std::move(*m) : nullptr;
 }
 
+// Tests drive Model::Forward directly, without a scheduler: one block pool per model over its arena.
+KvBlockPool& PoolFor(Model& m) {
+  static std::map<const Model*, std::unique_ptr<KvBlockPool>> pools;
+  auto& p = pools[&m];
+  if (!p) p = std::make_unique<KvBlockPool>(m.kv().shape().n_blocks, m.options().block_size);
+  return *p;
+}
+
 // Appends tokens to seq in chunks of `chunk`; returns the logits of every position (all_logits) or the last.
 std::vector<float> Feed(Model& m, SeqKv& seq, const std::vector<int>& tokens, bool all, int chunk = 1 << 30) {
   EXPECT_TRUE(
-      ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, m.blocks()).ok());
+      ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, PoolFor(m)).ok());
   std::vector<float> out;
   const int V = m.config().vocab;
   for (size_t i = 0; i < tokens.size(); i += chunk) {
@@ -65,7 +75,7 @@ TEST_P(ModelArchTest, CacheMatchesRecompute) {
   for (int step = 0; step < 64; ++step) {
     SeqKv fresh;
     std::vector<float> lf = Feed(*m, fresh, toks, false);
-    ReleaseBlocks(fresh, m->blocks());
+    ReleaseBlocks(fresh, PoolFor(*m));
     for (int i = 0; i < V; ++i) max_diff = std::max(max_diff, static_cast<double>(std::fabs(lc[i] - lf[i])));
     const int a = ArgMax(lc.data(), V), b = ArgMax(lf.data(), V);
     ASSERT_EQ(a, b) << "step " << step;
@@ -88,7 +98,7 @@ TEST_P(ModelArchTest, Causality) {
   b[29] = (b[29] + 5) % V;
   SeqKv sa, sb;
   auto la = Feed(*m, sa, a, true);
-  ReleaseBlocks(sa, m->blocks());
+  ReleaseBlocks(sa, PoolFor(*m));
   auto lb = Feed(*m, sb, b, true);
   EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * 20 * V));
   EXPECT_NE(0, std::memcmp(la.data() + 20 * V, lb.data() + 20 * V, sizeof(float) * V));
@@ -106,20 +116,20 @@ TEST_P(ModelArchTest, ChunkingAndBatchCompositionDoNotChangeBits) {
     std::vector<int> p = Prompt(150, V);
     SeqKv s1;
     auto whole = Feed(*m, s1, p, true);
-    ReleaseBlocks(s1, m->blocks());
+    ReleaseBlocks(s1, PoolFor(*m));
     for (int chunk : {1, 7, 64}) {
       SeqKv s2;
       auto parts = Feed(*m, s2, p, true, chunk);
-      ReleaseBlocks(s2, m->blocks());
+      ReleaseBlocks(s2, PoolFor(*m));
       ASSERT_EQ(whole.size(), parts.size());
       EXPECT_EQ(0, std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float))) << "chunk " << chunk;
     }
     // The same prompt in a batch with two other sequences of different lengths.
     SeqKv x, y, z;
     std::vector<int> px = Prompt(33, V, 1), pz = Prompt(5, V, 2);
-    ASSERT_TRUE(ReserveBlocks(x, 33, m->options().block_size, m->blocks()).ok());
-    ASSERT_TRUE(ReserveBlocks(y, 150, m->options().block_size, m->blocks()).ok());
-    ASSERT_TRUE(ReserveBlocks(z, 5, m->options().block_size, m->blocks()).ok());
+    ASSERT_TRUE(ReserveBlocks(x, 33, m->options().block_size, PoolFor(*m)).ok());
+    ASSERT_TRUE(ReserveBlocks(y, 150, m->options().block_size, PoolFor(*m)).ok());
+    ASSERT_TRUE(ReserveBlocks(z, 5, m->options().block_size, PoolFor(*m)).ok());
     BatchChunk b[3] = {{&x, px, false}, {&y, std::span<const int>(p.data(), 100), true}, {&z, pz, true}};
     ASSERT_TRUE(m->Forward(b).ok());
     std::vector<float> got(m->logits() + V, m->logits() + 101 * static_cast<size_t>(V));
@@ -166,7 +176,7 @@ TEST(Model, RejectsBadBatches) {
   ASSERT_TRUE(m);
   SeqKv s;
   std::vector<int> bad = {1, cfg.vocab};
-  ASSERT_TRUE(ReserveBlocks(s, 40, 16, m->blocks()).ok());
+  ASSERT_TRUE(ReserveBlocks(s, 40, 16, PoolFor(*m)).ok());
   BatchChunk ch{&s, bad, false};
   Status st = m->Forward(std::span<const BatchChunk>(&ch, 1));
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "engine/block_manager.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 
@@ -97,6 +98,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   qkv::Model& m = **loaded;
+  qkv::KvBlockPool pool(m.kv().shape().n_blocks, m.options().block_size);
   const double load_s = Since(tl);
   const int V = m.config().vocab;
   std::printf("model: %s\n", m.config().Summary().c_str());
@@ -115,7 +117,7 @@ int main(int argc, char** argv) {
   qkv::Model::Profile prefill_prof, decode_prof;
   for (int r = 0; r < reps; ++r) {
     qkv::SeqKv seq;
-    if (!qkv::ReserveBlocks(seq, prompt + gen, mo.block_size, m.blocks()).ok()) return 1;
+    if (!qkv::ReserveBlocks(seq, prompt + gen, mo.block_size, pool).ok()) return 1;
     m.set_profiling(profile);
     auto t0 = Clock::now();
     qkv::BatchChunk ch{&seq, tokens, false};
@@ -141,7 +143,7 @@ int main(int argc, char** argv) {
       best_decode = dec;
       decode_prof = m.profile();
     }
-    qkv::ReleaseBlocks(seq, m.blocks());
+    qkv::ReleaseBlocks(seq, pool);
   }
   const double bw = MeasureBandwidth(threads);
   const double prefill_tps = prompt / best_prefill;

@@ -11,7 +11,7 @@
 
 #include "engine/capacity_plan.h"
 #include "engine/gguf.h"
-#include "engine/kernels/linear.h"
+#include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/random_model.h"
 #include "engine/tokenizer.h"

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "engine/block_manager.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/text_stream.h"
@@ -42,12 +43,12 @@ qkv::StatusOr<std::vector<int>> ParseIds(const std::string& s) {
 }
 
 // Prefills `tokens` into seq in chunks of the batch limit; with all_logits, copies every row out.
-qkv::Status Prefill(qkv::Model& m, qkv::SeqKv& seq, const std::vector<int>& tokens, bool all_logits,
-                    std::vector<float>* rows_out) {
+qkv::Status Prefill(qkv::Model& m, qkv::KvBlockPool& pool, qkv::SeqKv& seq, const std::vector<int>& tokens,
+                    bool all_logits, std::vector<float>* rows_out) {
   const int bs = m.options().max_batch_tokens;
   const int vocab = m.config().vocab;
   QKV_RETURN_IF_ERROR(
-      qkv::ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, m.blocks()));
+      qkv::ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, pool));
   for (size_t i = 0; i < tokens.size(); i += bs) {
     const size_t n = std::min<size_t>(bs, tokens.size() - i);
     qkv::BatchChunk ch{&seq, std::span<const int>(tokens.data() + i, n), all_logits};
@@ -122,6 +123,8 @@ int main(int argc, char** argv) {
   auto loaded = qkv::Model::Load(model, mo);
   if (!loaded.ok()) return Fail(loaded.status());
   qkv::Model& m = **loaded;
+  // One sequence, no scheduler: a pool over the model's KV arena of its own.
+  qkv::KvBlockPool pool(m.kv().shape().n_blocks, m.options().block_size);
   const qkv::Tokenizer& tok = m.tokenizer();
   const int vocab = m.config().vocab;
 
@@ -161,7 +164,7 @@ int main(int argc, char** argv) {
   qkv::SeqKv seq;
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<float> prompt_logits;
-  qkv::Status s = Prefill(m, seq, tokens, !logits_out.empty(), &prompt_logits);
+  qkv::Status s = Prefill(m, pool, seq, tokens, !logits_out.empty(), &prompt_logits);
   if (!s.ok()) return Fail(s);
   std::vector<float> last(m.logits() + static_cast<size_t>(m.logits_rows() - 1) * vocab,
                           m.logits() + static_cast<size_t>(m.logits_rows()) * vocab);
@@ -188,10 +191,10 @@ int main(int argc, char** argv) {
     std::cout << text.Push(tok.TokenBytes(next)) << std::flush;
     if (text.stopped() || i + 1 == n_predict) break;
     if (no_cache) {
-      qkv::ReleaseBlocks(seq, m.blocks());
-      s = Prefill(m, seq, all, false, nullptr);
+      qkv::ReleaseBlocks(seq, pool);
+      s = Prefill(m, pool, seq, all, false, nullptr);
     } else {
-      s = Prefill(m, seq, {next}, false, nullptr);
+      s = Prefill(m, pool, seq, {next}, false, nullptr);
     }
     if (!s.ok()) return Fail(s);
     last.assign(m.logits(), m.logits() + vocab);

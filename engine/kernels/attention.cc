@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/kernels/bf16.h"
+#include "engine/bf16.h"
 #include "engine/kernels/ops.h"
 
 namespace qkv {

@@ -37,14 +37,6 @@ auto SingleThreaded(F&& f) {
 
 }  // namespace
 
-const char* DTypeName(DType d) { return d == DType::kF32 ? "f32" : "bf16"; }
-
-StatusOr<DType> ParseDType(const std::string& s) {
-  if (s == "f32") return DType::kF32;
-  if (s == "bf16") return DType::kBF16;
-  return InvalidArgument("dtype must be bf16 or f32, got '" + s + "'");
-}
-
 // Smallest buckets a layer may be restricted to (see Linear::Create); PaddedRows covers the largest.
 constexpr int kMinBuckets[] = {1, 16, 32};
 

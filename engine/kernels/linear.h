@@ -28,15 +28,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/dtype.h"
 #include "engine/kernels/packed_gemm.h"
 #include "engine/status.h"
 
 namespace qkv {
-
-enum class DType { kF32, kBF16 };
-const char* DTypeName(DType d);
-StatusOr<DType> ParseDType(const std::string& s);
-inline int DTypeBytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 
 inline constexpr int kTileRows = 128;
 // Rows of input storage a call with m rows may read (m padded to its bucket within the last tile, and

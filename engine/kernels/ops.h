@@ -8,8 +8,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/model_config.h"
-
 namespace qkv {
 
 // e^x for x in [-87, 88] (clamped outside), ~1 ulp (Cephes' expf polynomial). Pure arithmetic, so loops
@@ -61,6 +59,12 @@ void SiluMul(const float* gate, const float* up, float* out, int n);
 float Sum(const float* x, int n);
 // x[i] += y[i]
 void AddInPlace(float* x, const float* y, int n);
+
+// How RoPE pairs the dimensions of a head (which one an architecture uses is the model's business).
+enum class RopeStyle {
+  kInterleaved,  // pairs (2i, 2i+1): llama (its converters permute Q/K so this equals HF's rotate_half)
+  kHalves,       // pairs (i, i + rotary_dim/2): qwen2, qwen3 ("neox" in llama.cpp)
+};
 
 // Rotary position embedding over the first rotary_dim dims of a head (see RopeStyle for the pairing).
 // The angle of pair i at position p is p · theta^(-2i/rotary_dim), computed in double at start-up.

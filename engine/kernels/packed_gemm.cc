@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/kernels/bf16.h"
+#include "engine/bf16.h"
 
 namespace qkv {
 namespace {

@@ -1,4 +1,4 @@
-#include "engine/kernels/bf16.h"
+#include "engine/bf16.h"
 
 #include <cmath>
 

@@ -1,0 +1,13 @@
+#include "engine/dtype.h"
+
+namespace qkv {
+
+const char* DTypeName(DType d) { return d == DType::kF32 ? "f32" : "bf16"; }
+
+StatusOr<DType> ParseDType(const std::string& s) {
+  if (s == "f32") return DType::kF32;
+  if (s == "bf16") return DType::kBF16;
+  return InvalidArgument("dtype must be bf16 or f32, got '" + s + "'");
+}
+
+}  // namespace qkv
