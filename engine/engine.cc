@@ -27,15 +27,6 @@ Status ValidateId(const std::string& id, const char* field) {
   return {};
 }
 
-// log-softmax of one logits row: max and log Σ exp(x - max), summed in a fixed order.
-std::pair<float, float> LogSumExp(const float* x, int n) {
-  float m = x[0];
-  for (int i = 1; i < n; ++i) m = std::max(m, x[i]);
-  double s = 0;
-  for (int i = 0; i < n; ++i) s += std::exp(static_cast<double>(x[i] - m));
-  return {m, static_cast<float>(std::log(s))};
-}
-
 }  // namespace
 
 StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptions& opt) {
@@ -215,8 +206,16 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   s->ctx.tokens.insert(s->ctx.tokens.end(), p.prompt.begin(), p.prompt.end());
   s->n_prompt = static_cast<int>(ctx_len);
   s->n_cached = s->ctx.kv.n_tokens;
-  s->sampler = std::make_unique<Sampler>(p.sampling, s->ctx.tokens);
-  s->text = std::make_unique<TextStream>(p.stop, p.include_stop_str_in_output);
+  OutputOptions oo;
+  oo.stop = p.stop;
+  oo.include_stop_str_in_output = p.include_stop_str_in_output;
+  oo.stop_token_ids = p.stop_token_ids;
+  oo.ignore_eos = p.ignore_eos;
+  oo.max_tokens = s->max_tokens;
+  oo.max_context = model_.max_context();
+  oo.logprobs = p.logprobs;
+  oo.want_logprobs = p.want_logprobs;
+  s->output = std::make_unique<OutputProcessor>(model_.tokenizer(), p.sampling, s->ctx.tokens, std::move(oo));
   s->stream = std::make_shared<RequestStream>(p.request_id);
   s->submitted = Clock::now();
   if (p.prompt_logprobs) s->prompt_logprobs.assign(ctx_len, NAN);
@@ -242,7 +241,7 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
   e.finish = reason;
   e.stop_reason = stop_reason;
   e.error = std::move(error);
-  if (reason != FinishReason::kError) e.text = s->text->Finish();
+  if (reason != FinishReason::kError) e.text = s->output->Finish();
   e.usage = {s->n_prompt, s->n_cached, s->n_generated};
   const auto now = Clock::now();
   e.timings.queue_s = s->scheduled_once ? Seconds(s->submitted, s->first_scheduled) : Seconds(s->submitted, now);
@@ -389,10 +388,14 @@ void Engine::Step() {
       Finish(c.seq, FinishReason::kError, "", Internal("forward pass failed: " + st.message()));
     return;
   }
+  ProcessOutputs(chunks, starts);
+  counters_.step.Observe(Seconds(step_start, Clock::now()));
+}
+
+// After the forward pass: register newly full blocks, prompt logprobs, then each sampling sequence's
+// OutputProcessor turns its logits row into the token and text that stream back, and the ends.
+void Engine::ProcessOutputs(const std::vector<ScheduledChunk>& chunks, const std::vector<int>& starts) {
   const int V = model_.config().vocab;
-  const Tokenizer& tok = model_.tokenizer();
-  std::vector<float>& row = step_row_;
-  row.resize(V);
   int r = 0;
   struct Done {
     Sequence* s;
@@ -419,33 +422,12 @@ void Engine::Step() {
     }
     if (!c.sample) continue;
     const float* last = first_row + static_cast<size_t>(rows - 1) * V;
-    StreamEvent e;
-    std::copy(last, last + V, row.begin());
-    bool finite = true;
-    for (int i = 0; i < V; ++i) finite &= std::isfinite(row[i]);
-    if (!finite) {  // this request ends; the others in the step are untouched
-      done.push_back({s, FinishReason::kError, "", Internal("the model produced non-finite logits")});
+    OutputProcessor::Step out = s->output->Next(last, V, static_cast<int>(s->ctx.tokens.size()) + 1);
+    if (out.finish == FinishReason::kError) {  // this request ends; the others in the step are untouched
+      done.push_back({s, out.finish, "", std::move(out.error)});
       continue;
     }
-    const int next = s->sampler->Sample(row.data(), V);
-    if (s->params.want_logprobs || s->params.logprobs > 0) {
-      const auto [m, lse] = LogSumExp(last, V);
-      TokenLogprob lp;
-      lp.token = next;
-      lp.logprob = last[next] - m - lse;
-      if (s->params.logprobs > 0) {
-        std::vector<int>& idx = step_idx_;
-        idx.resize(V);
-        for (int i = 0; i < V; ++i) idx[i] = i;
-        const int k = std::min(V, s->params.logprobs);
-        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
-                          [&](int a, int b) { return last[a] > last[b] || (last[a] == last[b] && a < b); });
-        for (int i = 0; i < k; ++i) lp.top.emplace_back(idx[i], last[idx[i]] - m - lse);
-      }
-      e.logprobs.push_back(std::move(lp));
-    }
-    s->sampler->Accept(next);
-    s->ctx.tokens.push_back(next);
+    s->ctx.tokens.push_back(out.token);
     ++s->n_generated;
     const auto tnow = Clock::now();
     if (!s->emitted_token) {
@@ -456,35 +438,18 @@ void Engine::Step() {
       counters_.itl.Observe(Seconds(s->last_token, tnow));
     }
     s->last_token = tnow;
-    e.token_ids.push_back(next);
-    FinishReason reason = FinishReason::kNone;
-    std::string stop_reason;
-    const bool is_stop_token = std::find(s->params.stop_token_ids.begin(), s->params.stop_token_ids.end(), next) !=
-                               s->params.stop_token_ids.end();
-    if (!s->params.ignore_eos && next == tok.eos_id()) {
-      reason = FinishReason::kStop;
-      stop_reason = "eos";
-    } else if (is_stop_token) {
-      reason = FinishReason::kStop;
-      stop_reason = std::to_string(next);
-    } else {
-      e.text = s->text->Push(tok.TokenBytes(next));
-      if (s->text->stopped()) {
-        reason = FinishReason::kStop;
-        stop_reason = s->text->matched_stop();
-      } else if (s->n_generated >= s->max_tokens || static_cast<int>(s->ctx.tokens.size()) >= model_.max_context()) {
-        reason = FinishReason::kLength;
-      }
-    }
+    StreamEvent e;
+    e.token_ids.push_back(out.token);
+    e.text = std::move(out.text);
+    if (out.logprob) e.logprobs.push_back(std::move(*out.logprob));
     if (s->params.prompt_logprobs && !s->prompt_logprobs_sent) {
       e.prompt_logprobs = s->prompt_logprobs;
       s->prompt_logprobs_sent = true;
     }
     s->stream->Push(std::move(e));
-    if (reason != FinishReason::kNone) done.push_back({s, reason, stop_reason, {}});
+    if (out.finish != FinishReason::kNone) done.push_back({s, out.finish, std::move(out.stop_reason), {}});
   }
   for (Done& d : done) Finish(d.s, d.reason, d.stop_reason, std::move(d.error));
-  counters_.step.Observe(Seconds(step_start, Clock::now()));
 }
 
 SessionInfo Engine::Info(const Session& s, bool with_tokens) const {

@@ -163,7 +163,9 @@ class Engine {
   StatusOr<SessionInfo> DoForkSession(const std::string& ns, const std::string& parent, const std::string& child);
   StatusOr<SessionInfo> DoTruncateSession(const std::string& ns, const std::string& id, int n_tokens);
   Status DoCloseSession(const std::string& ns, const std::string& id);
+  // One step: drop cancelled requests → plan (scheduler) → forward pass → ProcessOutputs.
   void Step();
+  void ProcessOutputs(const std::vector<ScheduledChunk>& chunks, const std::vector<int>& starts);
   void Finish(Sequence* s, FinishReason reason, const std::string& stop_reason, Status error = {});
   void ExpireSessions();
   // Marks a session used now and (re)queues its expiry; Forget dequeues it (before it is erased).
@@ -199,8 +201,7 @@ class Engine {
   // Per-step scratch, kept so that the step loop does not allocate.
   std::vector<ScheduledChunk> step_chunks_;
   std::vector<BatchChunk> step_batch_;
-  std::vector<int> step_starts_, step_idx_, stats_filled_;
-  std::vector<float> step_row_;
+  std::vector<int> step_starts_, stats_filled_;
 
   Clock::time_point next_publish_{};
   mutable std::mutex stats_mu_;

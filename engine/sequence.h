@@ -9,9 +9,8 @@
 #include <vector>
 
 #include "engine/block_manager.h"
+#include "engine/output_processor.h"
 #include "engine/request.h"
-#include "engine/sampler.h"
-#include "engine/text_stream.h"
 
 namespace qkv {
 
@@ -53,8 +52,7 @@ struct Sequence {
   int n_generated = 0;
   int max_tokens = 0;
   bool use_prefix_cache = true;
-  std::unique_ptr<Sampler> sampler;
-  std::unique_ptr<TextStream> text;
+  std::unique_ptr<OutputProcessor> output;  // sampling, logprobs, text, stop checks
   std::shared_ptr<RequestStream> stream;
   Session* session = nullptr;
   std::vector<int> session_tokens_before;  // to restore the session if the turn fails

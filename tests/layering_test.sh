@@ -13,6 +13,7 @@ layer_of() {
     engine/kernels/* | engine/kv_cache.*) echo kernels ;;
     engine/model.*) echo model ;;
     engine/block_manager.* | engine/request.* | engine/sampler.* | engine/text_stream.* | engine/scheduler.* | \
+      engine/output_processor.* | \
       engine/engine.* | engine/sequence.h) echo serving ;;
     *) echo unknown ;;
   esac

@@ -14,6 +14,15 @@
 namespace qkv {
 namespace {
 
+// Tests drive Model::Forward directly, without a scheduler: one block pool per loaded model over its
+// arena (a new model may reuse a freed one's address, so Load replaces the entry).
+std::map<const Model*, std::unique_ptr<KvBlockPool>>& Pools() {
+  static std::map<const Model*, std::unique_ptr<KvBlockPool>> pools;
+  return pools;
+}
+
+KvBlockPool& PoolFor(Model& m) { return *Pools().at(&m); }
+
 std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batch = 256, int64_t blocks = 0) {
   ModelOptions mo;
   mo.weights_dtype = w;
@@ -23,15 +32,9 @@ std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batc
   mo.kv_blocks = blocks;
   auto m = Model::Load(path, mo);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
-  return m.ok() ? std::move(*m) : nullptr;
-}
-
-// Tests drive Model::Forward directly, without a scheduler: one block pool per model over its arena.
-KvBlockPool& PoolFor(Model& m) {
-  static std::map<const Model*, std::unique_ptr<KvBlockPool>> pools;
-  auto& p = pools[&m];
-  if (!p) p = std::make_unique<KvBlockPool>(m.kv().shape().n_blocks, m.options().block_size);
-  return *p;
+  if (!m.ok()) return nullptr;
+  Pools()[m->get()] = std::make_unique<KvBlockPool>((*m)->kv().shape().n_blocks, mo.block_size);
+  return std::move(*m);
 }
 
 // Appends tokens to seq in chunks of `chunk`; returns the logits of every position (all_logits) or the last.

@@ -15,8 +15,7 @@
 
 #include "engine/block_manager.h"
 #include "engine/model.h"
-#include "engine/sampler.h"
-#include "engine/text_stream.h"
+#include "engine/output_processor.h"
 
 namespace {
 
@@ -159,7 +158,6 @@ int main(int argc, char** argv) {
   sp.frequency_penalty = frequency;
   if (have_seed) sp.seed = seed;
   if (auto s = sp.Validate(); !s.ok()) return Fail(s);
-  qkv::Sampler sampler(sp, tokens);
 
   qkv::SeqKv seq;
   const auto t0 = std::chrono::steady_clock::now();
@@ -178,28 +176,33 @@ int main(int argc, char** argv) {
   std::ofstream gen_logits;
   if (!gen_logits_out.empty()) gen_logits.open(gen_logits_out, std::ios::binary);
 
-  qkv::TextStream text(stops);
+  // The engine's own output processing: sampling, EOS, stop strings, the token limit.
+  qkv::OutputOptions oo;
+  oo.stop = stops;
+  oo.ignore_eos = ignore_eos;
+  oo.max_tokens = n_predict;
+  oo.max_context = m.max_context();
+  qkv::OutputProcessor output(tok, sp, tokens, oo);
   std::vector<int> all = tokens, generated;
-  for (int i = 0; i < n_predict; ++i) {
+  while (n_predict > 0) {
     if (gen_logits.is_open())
       gen_logits.write(reinterpret_cast<const char*>(last.data()), static_cast<std::streamsize>(vocab * 4));
-    const int next = sampler.Sample(last.data(), vocab);
-    sampler.Accept(next);
-    generated.push_back(next);
-    all.push_back(next);
-    if (!ignore_eos && next == tok.eos_id()) break;
-    std::cout << text.Push(tok.TokenBytes(next)) << std::flush;
-    if (text.stopped() || i + 1 == n_predict) break;
+    const qkv::OutputProcessor::Step step = output.Next(last.data(), vocab, static_cast<int>(all.size()) + 1);
+    if (step.finish == qkv::FinishReason::kError) return Fail(step.error);
+    generated.push_back(step.token);
+    all.push_back(step.token);
+    std::cout << step.text << std::flush;
+    if (step.finish != qkv::FinishReason::kNone) break;
     if (no_cache) {
       qkv::ReleaseBlocks(seq, pool);
       s = Prefill(m, pool, seq, all, false, nullptr);
     } else {
-      s = Prefill(m, pool, seq, {next}, false, nullptr);
+      s = Prefill(m, pool, seq, {step.token}, false, nullptr);
     }
     if (!s.ok()) return Fail(s);
     last.assign(m.logits(), m.logits() + vocab);
   }
-  std::cout << text.Finish() << std::endl;
+  std::cout << output.Finish() << std::endl;
   const auto t2 = std::chrono::steady_clock::now();
   const double pre = std::chrono::duration<double>(t1 - t0).count();
   const double dec = std::chrono::duration<double>(t2 - t1).count();
