@@ -101,7 +101,7 @@ void Engine::Loop() {
     std::deque<std::function<void()>> cmds;
     {
       std::unique_lock<std::mutex> l(mu_);
-      const bool idle = running_.empty() && waiting_.empty();
+      const bool idle = scheduler_.idle();
       if (idle && commands_.empty() && !stop_) cv_.wait_for(l, std::chrono::milliseconds(250));
       if (stop_ && commands_.empty() && seqs_.empty()) break;
       if (stop_ && commands_.empty() && !seqs_.empty()) {
@@ -157,7 +157,7 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   if (by_request_id_.count({p.ns, p.request_id})) {
     return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
   }
-  if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) {
+  if (static_cast<int>(scheduler_.n_waiting()) >= opt_.max_waiting) {
     return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
   }
   Session* session = nullptr;
@@ -221,7 +221,7 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   if (p.prompt_logprobs) s->prompt_logprobs.assign(ctx_len, NAN);
   s->params = std::move(p);
   by_request_id_[{s->params.ns, s->params.request_id}] = s->id;
-  waiting_.push_back(s.get());
+  scheduler_.Enqueue(s.get());
   auto stream = s->stream;
   seqs_[s->id] = std::move(s);
   return stream;
@@ -273,8 +273,7 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
   counters_.prompt_tokens += s->n_prompt;
   counters_.cached_prompt_tokens += s->n_cached;
   counters_.generated_tokens += s->n_generated;
-  running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
-  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
+  scheduler_.Remove(s);
   by_request_id_.erase({s->params.ns, s->params.request_id});
   auto stream = s->stream;
   seqs_.erase(s->id);  // s is gone from here on
@@ -338,11 +337,7 @@ void Engine::Step() {
   }
   for (Sequence* s : cancelled) Finish(s, FinishReason::kCancelled, "");
 
-  StepPlan plan = scheduler_.PlanStep(waiting_, running_, [this] { return EvictIdleSession(); });
-  for (Sequence* s : plan.preempted) {
-    running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
-    waiting_.push_front(s);
-  }
+  StepPlan plan = scheduler_.PlanStep([this] { return EvictIdleSession(); });
   for (Sequence* s : plan.failed) {
     Finish(s, FinishReason::kError, "", ResourceExhausted("the request no longer fits in the KV cache"));
   }
@@ -664,8 +659,8 @@ void Engine::PublishStats() {
   }
   s.slack_tokens = s.blocks_used * B - s.tokens_used;
   s.session_kv_bytes = session_blocks * model_.kv().shape().bytes_per_block();
-  s.requests_running = static_cast<int64_t>(running_.size());
-  s.requests_waiting = static_cast<int64_t>(waiting_.size());
+  s.requests_running = static_cast<int64_t>(scheduler_.n_running());
+  s.requests_waiting = static_cast<int64_t>(scheduler_.n_waiting());
   s.preemptions = scheduler_.preemptions();
   s.prefix_queries_tokens = scheduler_.prefix_queries_tokens();
   s.prefix_hits_tokens = scheduler_.prefix_hits_tokens();

@@ -191,8 +191,6 @@ class Engine {
 
   // Engine-thread state.
   uint64_t next_seq_id_ = 1;
-  std::deque<Sequence*> waiting_;
-  std::vector<Sequence*> running_;
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
   std::map<std::pair<std::string, std::string>, uint64_t> by_request_id_;
   std::map<std::pair<std::string, std::string>, std::unique_ptr<Session>> sessions_;

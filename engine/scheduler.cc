@@ -109,7 +109,16 @@ bool Scheduler::EnsureBlocks(Sequence& seq, int end, std::vector<Sequence*>& run
   return true;
 }
 
-StepPlan Scheduler::PlanStep(std::deque<Sequence*>& waiting, std::vector<Sequence*>& running, const Evictor& evict) {
+void Scheduler::Enqueue(Sequence* s) { waiting_.push_back(s); }
+
+void Scheduler::Remove(Sequence* s) {
+  running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
+}
+
+StepPlan Scheduler::PlanStep(const Evictor& evict) {
+  std::deque<Sequence*>& waiting = waiting_;
+  std::vector<Sequence*>& running = running_;
   StepPlan plan;
   // Admission: highest priority first, then arrival order.
   while (static_cast<int>(running.size()) < opt_.max_num_seqs && !waiting.empty()) {
@@ -150,6 +159,11 @@ StepPlan Scheduler::PlanStep(std::deque<Sequence*>& waiting, std::vector<Sequenc
     plan.chunks.push_back(c);
     plan.n_tokens += n;
     budget -= n;
+  }
+  // Preempted sequences lost their KV; they go back to the front of the queue and recompute later.
+  for (Sequence* s : plan.preempted) {
+    running.erase(std::remove(running.begin(), running.end(), s), running.end());
+    waiting.push_front(s);
   }
   return plan;
 }

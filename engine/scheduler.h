@@ -50,9 +50,16 @@ class Scheduler {
   KvBlockPool& pool() { return pool_; }
   const KvBlockPool& pool() const { return pool_; }
 
+  // The queues: a submitted sequence waits until admitted, then runs until the engine removes it.
+  void Enqueue(Sequence* s);
+  void Remove(Sequence* s);  // from whichever queue holds it
+  size_t n_waiting() const { return waiting_.size(); }
+  size_t n_running() const { return running_.size(); }
+  bool idle() const { return waiting_.empty() && running_.empty(); }
+
   // Moves admissible waiting sequences to running (priority order, then arrival), reusing cached prefix
-  // blocks, then plans one step.
-  StepPlan PlanStep(std::deque<Sequence*>& waiting, std::vector<Sequence*>& running, const Evictor& evict);
+  // blocks, then plans one step. Sequences preempted to make room are back in the waiting queue (front).
+  StepPlan PlanStep(const Evictor& evict);
 
   // After a step: registers blocks that became full in the prefix cache.
   void RegisterFullBlocks(Sequence& seq);
@@ -75,6 +82,8 @@ class Scheduler {
   void Preempt(Sequence& s);
 
   KvBlockPool pool_;
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;
   KvCache& kv_;
   SchedulerOptions opt_;
   uint64_t prefix_queries_ = 0, prefix_hits_ = 0, preemptions_ = 0;
