@@ -18,13 +18,11 @@
 #include "engine/kernels/linear.h"
 #include "engine/kernels/ops.h"
 #include "engine/kv_cache.h"
+#include "engine/layers/layer.h"
 #include "engine/model_config.h"
 #include "engine/tokenizer.h"
 
 namespace qkv {
-
-// RoPE pairing per architecture, as llama.cpp defines it.
-RopeStyle RopeStyleOf(Arch a);
 
 struct ModelOptions {
   std::string tokenizer_path;  // a tokenizer.json to use instead of the GGUF's tokenizer
@@ -41,13 +39,6 @@ struct ModelOptions {
   int64_t kv_blocks = 0;
   int64_t kv_cache_bytes = 0;
   static constexpr int64_t kAutoKvBytes = -1;
-};
-
-// One sequence's share of a batch: its new tokens, placed at positions seq->n_tokens onwards.
-struct BatchChunk {
-  SeqKv* seq = nullptr;
-  std::span<const int> tokens;
-  bool all_logits = false;  // logits for every new token (else only for the last)
 };
 
 class Model {
@@ -82,13 +73,11 @@ class Model {
   const float* logits() const { return logits_.data(); }
 
   // Seconds spent per part of Forward since the last reset (only while profiling is on).
-  struct Profile {
-    double embed = 0, norms = 0, qkv = 0, rope_store = 0, attention = 0, o = 0, ffn_up = 0, ffn_act = 0, ffn_down = 0,
-           lm_head = 0;
-    double total() const {
-      return embed + norms + qkv + rope_store + attention + o + ffn_up + ffn_act + ffn_down + lm_head;
-    }
-  };
+  using Profile = ForwardProfile;
+  // The decoder stack: per block, its layers in order (see layers/layer.h).
+  const std::vector<std::unique_ptr<Layer>>& layers() const { return layers_; }
+  // What the layers cache, summed: paged bytes per token (the KV arena's figure) and per-sequence state.
+  CacheSpec cache_spec() const;
   void set_profiling(bool on) {
     profiling_ = on;
     profile_ = {};
@@ -98,13 +87,7 @@ class Model {
 
  private:
   Model() = default;
-  struct Layer {
-    std::vector<float> attn_norm, ffn_norm, q_norm, k_norm, sinks;
-    std::unique_ptr<Linear> qkv, o, gate_up, down;
-  };
   Status LoadWeights(const GgufFile& f);
-  // lin.Forward on f32 rows x, through in_lp_ when the layer takes bf16 input.
-  void RunLinear(const Linear& lin, const float* x, int rows, float* y);
 
   ModelConfig cfg_;
   ModelOptions opt_;
@@ -113,7 +96,8 @@ class Model {
   std::unique_ptr<GemmRuntime> rt_;
   std::unique_ptr<KvCache> kv_;
   std::unique_ptr<RopeTable> rope_;
-  std::vector<Layer> layers_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  int kv_layers_ = 0;                 // layers of the paged token store handed out to layer kinds
   std::vector<float> embed_f32_;      // [vocab][hidden] when weights are f32
   std::vector<uint16_t> embed_bf16_;  // [vocab][hidden] when weights are bf16
   std::vector<float> final_norm_;

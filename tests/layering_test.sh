@@ -11,7 +11,7 @@ layer_of() {
     engine/gguf.* | engine/model_config.* | engine/tokenizer.* | engine/unicode_nfc* | engine/chat_template.* | \
       engine/random_model.*) echo formats ;;
     engine/kernels/* | engine/kv_cache.*) echo kernels ;;
-    engine/model.*) echo model ;;
+    engine/model.* | engine/layers/*) echo model ;;
     engine/block_manager.* | engine/request.* | engine/sampler.* | engine/text_stream.* | engine/scheduler.* | \
       engine/output_processor.* | \
       engine/engine.* | engine/sequence.h) echo serving ;;

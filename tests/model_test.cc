@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include "engine/bf16.h"
 #include "engine/block_manager.h"
@@ -150,6 +151,25 @@ INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest, ::testing::Values(Arch::kLlama, A
 
 // V is never rotated: in layer 0 the value of a token depends only on the token, so the same token at
 // every position stores the same V row, while its K rows (rotated) differ.
+// The decoder stack is made of registered layer kinds, and the KV arena holds exactly what they declare.
+TEST(Model, LayerKindsAndOneCacheAccounting) {
+  std::set<std::string_view> names;
+  for (const LayerKind& k : LayerKinds()) EXPECT_TRUE(names.insert(k.name).second) << "duplicate kind " << k.name;
+  const ModelConfig cfg = testing::SmallConfig(Arch::kQwen2);
+  auto m = Load(testing::WriteModel(cfg, "kinds_model", 4), DType::kBF16, DType::kF32);
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->layers().size(), static_cast<size_t>(2 * cfg.n_layers));
+  for (size_t i = 0; i < m->layers().size(); ++i) {
+    EXPECT_EQ(m->layers()[i]->kind(), i % 2 == 0 ? "gqa_attention" : "dense_swiglu");
+    EXPECT_TRUE(names.count(m->layers()[i]->kind()));
+  }
+  const CacheSpec spec = m->cache_spec();
+  EXPECT_EQ(spec.bytes_per_token, int64_t{cfg.n_layers} * 2 * cfg.n_kv_heads * cfg.head_dim * 4);  // f32 KV
+  EXPECT_EQ(spec.bytes_per_token, m->kv().shape().bytes_per_token());
+  EXPECT_EQ(spec.state_bytes_per_seq, 0);
+  EXPECT_EQ(FindLayerKind("no_such_kind").status().code(), StatusCode::kInternal);
+}
+
 TEST(Model, ValuesAreNotRotated) {
   ModelConfig cfg = testing::SmallConfig();
   const auto path = testing::WriteModel(cfg, "vrot");

@@ -1,0 +1,65 @@
+// The dense SwiGLU FFN: h = RMSNorm(x) → [g | u] = h·W_GUᵀ (gate and up fused) → x += (silu(g)·u)·W_downᵀ.
+#include "engine/layers/layer.h"
+
+namespace qkv {
+namespace {
+
+class DenseSwiGlu final : public Layer {
+ public:
+  std::string_view kind() const override { return "dense_swiglu"; }
+  size_t weight_bytes() const override { return gate_up_->weight_bytes() + down_->weight_bytes() + 4 * norm_.size(); }
+  size_t weight_bytes_per_token() const override { return gate_up_->weight_bytes() + down_->weight_bytes(); }
+
+  static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
+  void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+
+ private:
+  int hidden_ = 0, ffn_ = 0;
+  float eps_ = 0;
+  std::vector<float> norm_;
+  std::unique_ptr<Linear> gate_up_, down_;
+};
+
+StatusOr<std::unique_ptr<Layer>> DenseSwiGlu::Make(const LayerInit& in) {
+  const ModelConfig& c = in.config;
+  auto L = std::make_unique<DenseSwiGlu>();
+  L->hidden_ = c.hidden;
+  L->ffn_ = c.ffn;
+  L->eps_ = static_cast<float>(c.rms_eps);
+  const auto H = static_cast<uint64_t>(c.hidden), F = static_cast<uint64_t>(c.ffn);
+  const std::string p = "blk." + std::to_string(in.block) + ".";
+  QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, p + "ffn_norm.weight", {H}));
+  QKV_ASSIGN_OR_RETURN(auto wg, ReadTensor(in.file, p + "ffn_gate.weight", {H, F}));
+  QKV_ASSIGN_OR_RETURN(auto wu, ReadTensor(in.file, p + "ffn_up.weight", {H, F}));
+  wg.insert(wg.end(), wu.begin(), wu.end());
+  QKV_ASSIGN_OR_RETURN(L->gate_up_, Linear::Create(in.gemm, wg.data(), nullptr, 2 * c.ffn, c.hidden, in.weights_dtype));
+  QKV_ASSIGN_OR_RETURN(auto wd, ReadTensor(in.file, p + "ffn_down.weight", {F, H}));
+  QKV_ASSIGN_OR_RETURN(L->down_, Linear::Create(in.gemm, wd.data(), nullptr, c.hidden, c.ffn, in.weights_dtype));
+  return std::unique_ptr<Layer>(std::move(L));
+}
+
+void DenseSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
+  const int T = rows.T, H = hidden_, F = ffn_, nthr = s.n_threads;
+  ForwardProfile& pf = *s.profile;
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t)
+    RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &s.h[static_cast<size_t>(t) * H], H, eps_);
+  s.timer->Mark(pf.norms);
+  s.Gemm(*gate_up_, s.h, T, s.gu);
+  s.timer->Mark(pf.ffn_up);
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t) {
+    const float* g = &s.gu[static_cast<size_t>(t) * 2 * F];
+    SiluMul(g, g + F, &s.act[static_cast<size_t>(t) * F], F);
+  }
+  s.timer->Mark(pf.ffn_act);
+  s.Gemm(*down_, s.act, T, s.tmp);
+  AddInPlace(x, s.tmp, T * H);
+  s.timer->Mark(pf.ffn_down);
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Layer>> MakeDenseSwiGlu(const LayerInit& in) { return DenseSwiGlu::Make(in); }
+
+}  // namespace qkv

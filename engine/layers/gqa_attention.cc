@@ -1,0 +1,160 @@
+// Grouped-query attention (MHA, GQA, MQA): h = RMSNorm(x) → [q | gate | k | v] = h·W_QKVᵀ (+b) → q/k RMSNorm
+// (optional) → RoPE(q, k) → store k, v in the paged KV arena → causal attention over the cache (sinks
+// optional) → × sigmoid(gate) (optional) → x += attn·W_Oᵀ.
+#include <omp.h>
+
+#include "engine/kernels/attention.h"
+#include "engine/layers/layer.h"
+
+namespace qkv {
+namespace {
+
+class GqaAttention final : public Layer {
+ public:
+  std::string_view kind() const override { return "gqa_attention"; }
+  size_t weight_bytes() const override {
+    return qkv_->weight_bytes() + o_->weight_bytes() +
+           4 * (norm_.size() + q_norm_.size() + k_norm_.size() + sinks_.size() + bias_floats_);
+  }
+  size_t weight_bytes_per_token() const override { return qkv_->weight_bytes() + o_->weight_bytes(); }
+  CacheSpec cache() const override {  // K and V of every kv head
+    return {int64_t{2} * c_.n_kv_heads * c_.head_dim * DTypeBytes(kv_dtype_), 0};
+  }
+
+  static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
+  void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+
+ private:
+  ModelConfig c_;
+  DType kv_dtype_ = DType::kBF16;
+  int kv_layer_ = 0;
+  const RopeTable* rope_ = nullptr;
+  std::vector<float> norm_, q_norm_, k_norm_, sinks_;
+  size_t bias_floats_ = 0;
+  std::unique_ptr<Linear> qkv_, o_;
+};
+
+StatusOr<std::unique_ptr<Layer>> GqaAttention::Make(const LayerInit& in) {
+  const ModelConfig& c = in.config;
+  auto L = std::make_unique<GqaAttention>();
+  L->c_ = c;
+  L->kv_dtype_ = in.kv_dtype;
+  L->kv_layer_ = in.kv_layer;
+  L->rope_ = in.rope;
+  const auto H = static_cast<uint64_t>(c.hidden);
+  const int hd = c.head_dim;
+  const int q_rows = c.q_dim() * (c.attn_output_gate ? 2 : 1);
+  const std::string p = "blk." + std::to_string(in.block) + ".";
+  QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, p + "attn_norm.weight", {H}));
+  QKV_ASSIGN_OR_RETURN(auto wq, ReadTensor(in.file, p + "attn_q.weight", {H, static_cast<uint64_t>(q_rows)}));
+  QKV_ASSIGN_OR_RETURN(auto wk, ReadTensor(in.file, p + "attn_k.weight", {H, static_cast<uint64_t>(c.kv_dim())}));
+  QKV_ASSIGN_OR_RETURN(auto wv, ReadTensor(in.file, p + "attn_v.weight", {H, static_cast<uint64_t>(c.kv_dim())}));
+  std::vector<float> bq, bk, bv;
+  if (c.attention_bias) {
+    QKV_ASSIGN_OR_RETURN(bq, ReadTensor(in.file, p + "attn_q.bias", {static_cast<uint64_t>(q_rows)}));
+    QKV_ASSIGN_OR_RETURN(bk, ReadTensor(in.file, p + "attn_k.bias", {static_cast<uint64_t>(c.kv_dim())}));
+    QKV_ASSIGN_OR_RETURN(bv, ReadTensor(in.file, p + "attn_v.bias", {static_cast<uint64_t>(c.kv_dim())}));
+  }
+  if (c.qk_norm) {
+    QKV_ASSIGN_OR_RETURN(L->q_norm_, ReadTensor(in.file, p + "attn_q_norm.weight", {static_cast<uint64_t>(hd)}));
+    QKV_ASSIGN_OR_RETURN(L->k_norm_, ReadTensor(in.file, p + "attn_k_norm.weight", {static_cast<uint64_t>(hd)}));
+  }
+  if (c.attention_sinks) {
+    QKV_ASSIGN_OR_RETURN(L->sinks_, ReadTensor(in.file, p + "attn_sinks.weight", {static_cast<uint64_t>(c.n_heads)}));
+  }
+  // Fused QKV rows: [queries of all heads | gates of all heads | k | v]. With the output gate, the
+  // file's q_proj interleaves [query, gate] per head (Qwen3-Next); de-interleave it here.
+  const size_t K = c.hidden;
+  std::vector<float> w;
+  std::vector<float> b;
+  w.reserve((q_rows + 2 * c.kv_dim()) * K);
+  auto append_rows = [&](const std::vector<float>& src, const std::vector<float>& sb, int r0, int n) {
+    w.insert(w.end(), src.begin() + r0 * K, src.begin() + (r0 + n) * K);
+    if (c.attention_bias) b.insert(b.end(), sb.begin() + r0, sb.begin() + r0 + n);
+  };
+  if (c.attn_output_gate) {
+    for (int h = 0; h < c.n_heads; ++h) append_rows(wq, bq, 2 * h * hd, hd);
+    for (int h = 0; h < c.n_heads; ++h) append_rows(wq, bq, 2 * h * hd + hd, hd);
+  } else {
+    append_rows(wq, bq, 0, q_rows);
+  }
+  append_rows(wk, bk, 0, c.kv_dim());
+  append_rows(wv, bv, 0, c.kv_dim());
+  L->bias_floats_ = b.size();
+  QKV_ASSIGN_OR_RETURN(L->qkv_, Linear::Create(in.gemm, w.data(), c.attention_bias ? b.data() : nullptr,
+                                               q_rows + 2 * c.kv_dim(), c.hidden, in.weights_dtype));
+  QKV_ASSIGN_OR_RETURN(auto wo, ReadTensor(in.file, p + "attn_output.weight", {static_cast<uint64_t>(c.q_dim()), H}));
+  QKV_ASSIGN_OR_RETURN(L->o_, Linear::Create(in.gemm, wo.data(), nullptr, c.hidden, c.q_dim(), in.weights_dtype));
+  return std::unique_ptr<Layer>(std::move(L));
+}
+
+void GqaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
+  const ModelConfig& c = c_;
+  const int T = rows.T, H = c.hidden, hd = c.head_dim, nthr = s.n_threads;
+  const int q_dim = c.q_dim(), kv_dim = c.kv_dim();
+  const int gate_off = q_dim;
+  const int k_off = q_dim * (c.attn_output_gate ? 2 : 1);
+  const int v_off = k_off + kv_dim;
+  const int qkv_n = v_off + kv_dim;
+  const float eps = static_cast<float>(c.rms_eps);
+  const RopeStyle style = RopeStyleOf(c.arch);
+  ForwardProfile& pf = *s.profile;
+  float* h = s.h;
+  float* qkv = s.qkv;
+  float* attn = s.attn;
+
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t)
+    RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &h[static_cast<size_t>(t) * H], H, eps);
+  s.timer->Mark(pf.norms);
+  s.Gemm(*qkv_, h, T, qkv);
+  s.timer->Mark(pf.qkv);
+
+  // q/k norm, RoPE (Q and K only; V is stored as projected), then K/V into the cache.
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t) {
+    float* row = &qkv[static_cast<size_t>(t) * qkv_n];
+    const int pos = rows.pos[t];
+    for (int hh = 0; hh < c.n_heads; ++hh) {
+      float* q = row + hh * hd;
+      if (c.qk_norm) RmsNorm(q, q_norm_.data(), q, hd, eps);
+      if (c.rotary_dim > 0) rope_->Apply(q, pos, style);
+    }
+    for (int hh = 0; hh < c.n_kv_heads; ++hh) {
+      float* k = row + k_off + hh * hd;
+      if (c.qk_norm) RmsNorm(k, k_norm_.data(), k, hd, eps);
+      if (c.rotary_dim > 0) rope_->Apply(k, pos, style);
+    }
+    const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
+    StoreKv(*s.kv, kv_layer_, ch.seq->blocks.data(), pos, row + k_off, row + v_off);
+  }
+  s.timer->Mark(pf.rope_store);
+
+  AttentionShape as{c.n_heads, c.n_kv_heads, hd, c.attention_sinks ? sinks_.data() : nullptr};
+  const int items = T * c.n_kv_heads;
+#pragma omp parallel for num_threads(nthr) schedule(dynamic, 1) if (items > 1)
+  for (int it = 0; it < items; ++it) {
+    const int t = it / c.n_kv_heads, g = it % c.n_kv_heads;
+    const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
+    float* scratch = &s.attn_per_thread[s.attn_stride * omp_get_thread_num()];
+    AttendGroup(*s.kv, kv_layer_, ch.seq->blocks.data(), rows.pos[t] + 1, &qkv[static_cast<size_t>(t) * qkv_n],
+                &attn[static_cast<size_t>(t) * q_dim], as, g, scratch);
+  }
+  if (c.attn_output_gate) {
+    for (int t = 0; t < T; ++t) {
+      float* a = &attn[static_cast<size_t>(t) * q_dim];
+      const float* gt = &qkv[static_cast<size_t>(t) * qkv_n + gate_off];
+      for (int i = 0; i < q_dim; ++i) a[i] *= 1.0f / (1.0f + FastExp(-gt[i]));
+    }
+  }
+  s.timer->Mark(pf.attention);
+  s.Gemm(*o_, attn, T, s.tmp);
+  AddInPlace(x, s.tmp, T * H);
+  s.timer->Mark(pf.o);
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Layer>> MakeGqaAttention(const LayerInit& in) { return GqaAttention::Make(in); }
+
+}  // namespace qkv

@@ -1,0 +1,130 @@
+// The decoder stack as layer kinds. Each block of the model is a short list of layers (today: one
+// attention kind, then one FFN kind); a layer owns its weights and kernels, reads the residual stream and
+// adds its output to it, and declares what it caches (CacheSpec), so the cache stores and their accounting
+// follow from the kinds a model uses.
+//
+// A new kind is one file under engine/layers/ defining its class and a factory, plus one line in
+// registry.cc; ModelLayerKinds (registry.cc) says which kinds a model's blocks are made of.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/gguf.h"
+#include "engine/kernels/linear.h"
+#include "engine/kernels/ops.h"
+#include "engine/kv_cache.h"
+#include "engine/model_config.h"
+
+namespace qkv {
+
+// One sequence's share of a batch: its new tokens, placed at positions seq->n_tokens onwards.
+struct BatchChunk {
+  SeqKv* seq = nullptr;
+  std::span<const int> tokens;
+  bool all_logits = false;  // logits for every new token (else only for the last)
+};
+
+// Seconds spent per part of a forward pass (only while profiling is on).
+struct ForwardProfile {
+  double embed = 0, norms = 0, qkv = 0, rope_store = 0, attention = 0, o = 0, ffn_up = 0, ffn_act = 0, ffn_down = 0,
+         lm_head = 0;
+  double total() const {
+    return embed + norms + qkv + rope_store + attention + o + ffn_up + ffn_act + ffn_down + lm_head;
+  }
+};
+
+// Adds the time since the last mark to a profile field, when profiling.
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(bool on) : on_(on) {
+    if (on_) last_ = std::chrono::steady_clock::now();
+  }
+  void Mark(double& field) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    field += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+// The tokens of one step: T rows, each from a chunk of the batch, at a position.
+struct StepRows {
+  int T = 0;
+  std::span<const BatchChunk> batch;
+  const int* chunk_of = nullptr;  // [T]
+  const int* pos = nullptr;       // [T]
+};
+
+// Scratch sized at load from the batch limit (rows) and the model's widths; shared by every layer.
+struct LayerScratch {
+  float *h = nullptr, *qkv = nullptr, *attn = nullptr, *tmp = nullptr, *gu = nullptr, *act = nullptr;
+  float* attn_per_thread = nullptr;  // n_threads × attn_stride floats
+  size_t attn_stride = 0;
+  uint16_t* bf16_in = nullptr;  // activations rounded to bf16 for layers whose GEMM takes bf16
+  KvCache* kv = nullptr;        // the paged token store (layers that cache per token use their kv_layer)
+  int n_threads = 1;
+  PhaseTimer* timer = nullptr;
+  ForwardProfile* profile = nullptr;
+  // lin.Forward on f32 rows x, through bf16_in when the layer takes bf16 input.
+  void Gemm(const Linear& lin, const float* x, int rows, float* y) const;
+};
+
+// What a layer keeps between steps. Paged per-token bytes live in the KV arena's blocks (a token's K/V,
+// later an MLA latent); per-sequence state (later linear attention) in state slots.
+struct CacheSpec {
+  int64_t bytes_per_token = 0;      // in the paged token store (whole-layer figure, all heads)
+  int64_t state_bytes_per_seq = 0;  // in the per-sequence state store
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual std::string_view kind() const = 0;
+  // x: the residual stream, rows.T rows of hidden values; the layer adds its output to it.
+  virtual void Forward(float* x, const StepRows& rows, const LayerScratch& s) = 0;
+  virtual size_t weight_bytes() const = 0;            // resident
+  virtual size_t weight_bytes_per_token() const = 0;  // GEMM weights a decoded token reads
+  virtual CacheSpec cache() const { return {}; }
+};
+
+// What a factory gets: the file, the shape, the block index, the GEMM runtime and dtypes, the RoPE table,
+// and (for layers that cache per token) the layer of the paged token store it was given.
+struct LayerInit {
+  const GgufFile& file;
+  const ModelConfig& config;
+  int block = 0;
+  GemmRuntime& gemm;
+  DType weights_dtype = DType::kBF16;
+  DType kv_dtype = DType::kBF16;
+  int kv_layer = -1;
+  const RopeTable* rope = nullptr;
+};
+
+using LayerFactory = StatusOr<std::unique_ptr<Layer>> (*)(const LayerInit&);
+struct LayerKind {
+  std::string_view name;
+  LayerFactory make;
+  bool caches_tokens;  // takes a layer of the paged token store
+};
+// The registered kinds (registry.cc) and the kinds block `block` of a model is made of, in order.
+std::span<const LayerKind> LayerKinds();
+StatusOr<const LayerKind*> FindLayerKind(std::string_view name);
+std::vector<std::string_view> ModelLayerKinds(const ModelConfig& c, int block);
+
+// RoPE pairing per architecture, as llama.cpp defines it.
+RopeStyle RopeStyleOf(Arch a);
+
+// Reads a tensor as f32 after checking that its shape (ggml order) is exactly `ne` and its values finite.
+StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& name, std::vector<uint64_t> ne);
+
+}  // namespace qkv
