@@ -1,11 +1,13 @@
 // The KV arena: K and V of every layer, cut into blocks of block_size token slots.
 //
 // Layout of each of K and V: [layer][block][kv_head][slot][head_dim], so one kv head's keys inside a
-// block are contiguous. A sequence addresses its tokens through a BlockTable (block ids in position
-// order, a SeqKv): position p lives in block blocks[p / block_size], slot p % block_size.
+// block are contiguous. A sequence addresses its tokens through a SeqKv (its block ids in position
+// order): position p lives in block blocks[p / block_size], slot p % block_size.
 //
-// The arena is allocated and touched once at start-up. This class only stores; ownership of blocks
-// (reference counts, prefix sharing, eviction) belongs to KvBlockPool (block_manager.h).
+// This is the paged token store of the layer kinds that cache per token (layers/layer.h): each such layer
+// was handed one arena layer at load. The arena is allocated and touched once at start-up. This class only
+// stores; ownership of blocks (reference counts, prefix sharing, eviction) belongs to KvBlockPool
+// (block_manager.h), which the scheduler owns.
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,10 @@
 // Text <-> token ids. The Tokenizer interface is what the engine, tools and server use; concrete
-// tokenizers are built from a GGUF file's `tokenizer.ggml.*` metadata.
+// tokenizers are built from a GGUF file's `tokenizer.ggml.*` metadata or from a Hugging Face
+// tokenizer.json.
 //
-// This file implements byte-level BPE (`tokenizer.ggml.model = gpt2`) with the GPT-2 pre-tokenizer,
-// using PCRE2 with UTF and Unicode properties so that \p{L} and \p{N} are real Unicode classes.
+// Two families: byte-level BPE (`tokenizer.ggml.model = gpt2`: GPT-2, Llama 3, Qwen pre-tokenizers, via
+// PCRE2 with UTF and Unicode properties so that \p{L} and \p{N} are real Unicode classes) and
+// SentencePiece-style BPE with byte fallback (`tokenizer.ggml.model = llama`). See docs/tokenizers.md.
 #pragma once
 
 #include <memory>

@@ -129,7 +129,7 @@ class EngineCollectable final : public prometheus::Collectable {
     MetricFamily info =
         Family("qkvserve_build_info", "constant 1, labelled with the build and model", MetricType::Gauge);
     Add(info, 1.0,
-        {{"version", "0.1.0"},
+        {{"version", QKV_VERSION},
          {"model", model_},
          {"architecture", ArchName(engine_.model().config().arch)},
          {"attention", engine_.model().config().AttentionKind()}});

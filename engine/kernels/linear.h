@@ -15,7 +15,8 @@
 //     the same bits for every M by construction.
 // QKV_GEMM=packed|onednn|auto (default auto) forces a backend; onednn skips the same-kernel check (to
 // measure oneDNN, or to see the same-bits tests fail) and fails only where oneDNN has no kernel.
-// tests/linear_test.cc checks every row of M = 1..300 against M = 1 for each shape, dtype and backend.
+// tests/linear_test.cc checks every row for M = 1..64, 65, 100, 127, 128, 129, 200 and 300 against M = 1,
+// for each shape, dtype and backend.
 #pragma once
 
 #include <dnnl.hpp>
