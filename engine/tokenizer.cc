@@ -113,11 +113,20 @@ class VocabTokenizer : public Tokenizer {
     }
     size_t pos = 0;
     bool first = true;
+    // Each special's next occurrence is searched again only once pos has passed it, so the scans advance
+    // monotonically: O(text × specials) in all, not per special token found.
+    std::vector<size_t> next_at(specials_.size(), 0);
+    std::vector<bool> searched(specials_.size(), false);
     while (pos < text.size()) {
       size_t best = std::string_view::npos, best_len = 0;
       int best_id = -1;
-      for (const auto& [sp, id] : specials_) {
-        const size_t f = text.find(sp, pos);
+      for (size_t k = 0; k < specials_.size(); ++k) {
+        const auto& [sp, id] = specials_[k];
+        if (!searched[k] || (next_at[k] != std::string_view::npos && next_at[k] < pos)) {
+          next_at[k] = text.find(sp, pos);
+          searched[k] = true;
+        }
+        const size_t f = next_at[k];
         if (f != std::string_view::npos && (f < best || (f == best && sp.size() > best_len))) {
           best = f;
           best_id = id;
@@ -145,6 +154,46 @@ class VocabTokenizer : public Tokenizer {
 
  protected:
   static uint64_t Key(int a, int b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
+
+  // BPE merging in O(n log n): symbols in a linked list, candidate pairs in a heap ordered by priority
+  // (lower first), then by position (leftmost first), stale candidates skipped when popped. The same
+  // merges as repeatedly merging the best adjacent pair, without rescanning the word after each merge.
+  // merge(a, b, &prio, &merged) says whether symbols a, b merge. Appends the final symbols to out.
+  template <typename Prio, typename MergeFn>
+  static void MergePairs(std::vector<int>& sym, const MergeFn& merge, std::vector<int>& out) {
+    const int n = static_cast<int>(sym.size());
+    std::vector<int> prev(n), next(n);
+    for (int i = 0; i < n; ++i) {
+      prev[i] = i - 1;
+      next[i] = i + 1 < n ? i + 1 : -1;
+    }
+    struct Cand {
+      Prio prio;
+      int left, right, a, b, merged;
+      bool operator>(const Cand& o) const { return prio > o.prio || (prio == o.prio && left > o.left); }
+    };
+    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> q;
+    auto push = [&](int l) {
+      if (l < 0 || next[l] < 0) return;
+      Prio p;
+      int m;
+      if (merge(sym[l], sym[next[l]], &p, &m)) q.push({p, l, next[l], sym[l], sym[next[l]], m});
+    };
+    for (int i = 0; i + 1 < n; ++i) push(i);
+    while (!q.empty()) {
+      const Cand c = q.top();
+      q.pop();
+      const int r = next[c.left];
+      if (r != c.right || sym[c.left] != c.a || sym[r] != c.b) continue;  // stale
+      sym[c.left] = c.merged;
+      sym[r] = -1;
+      next[c.left] = next[r];
+      if (next[r] >= 0) prev[next[r]] = c.left;
+      push(prev[c.left]);
+      push(c.left);
+    }
+    for (int i = n > 0 ? 0 : -1; i >= 0; i = next[i]) out.push_back(sym[i]);
+  }
   // Encodes text holding no special token; `first` is true for the first segment of the input.
   virtual void EncodeOrdinary(std::string_view text, std::vector<int>& out, bool first) const = 0;
   // Longest specials first so that overlapping ones match greedily.
@@ -243,21 +292,16 @@ class ByteBpeTokenizer final : public VocabTokenizer {
       }
       sym.clear();
       for (char c : piece) sym.push_back(byte_token_[static_cast<unsigned char>(c)]);
-      while (sym.size() > 1) {
-        int best_rank = INT32_MAX, best_i = -1, best_id = -1;
-        for (size_t i = 0; i + 1 < sym.size(); ++i) {
-          auto it = merge_.find(Key(sym[i], sym[i + 1]));
-          if (it != merge_.end() && it->second.first < best_rank) {
-            best_rank = it->second.first;
-            best_i = static_cast<int>(i);
-            best_id = it->second.second;
-          }
-        }
-        if (best_i < 0) break;
-        sym[best_i] = best_id;
-        sym.erase(sym.begin() + best_i + 1);
-      }
-      out.insert(out.end(), sym.begin(), sym.end());
+      MergePairs<int>(
+          sym,
+          [this](int a, int b, int* rank, int* merged) {
+            auto it = merge_.find(Key(a, b));
+            if (it == merge_.end()) return false;
+            *rank = it->second.first;
+            *merged = it->second.second;
+            return true;
+          },
+          out);
     });
   }
 
@@ -379,38 +423,8 @@ class SpmBpeTokenizer final : public VocabTokenizer {
       }
       i += len;
     }
-    const int n = static_cast<int>(sym.size());
-    std::vector<int> prev(n), next(n);
-    for (int i = 0; i < n; ++i) {
-      prev[i] = i - 1;
-      next[i] = i + 1 < n ? i + 1 : -1;
-    }
-    struct Cand {
-      float prio;
-      int left, a, b, merged;
-      bool operator>(const Cand& o) const { return prio > o.prio || (prio == o.prio && left > o.left); }
-    };
-    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> q;
-    auto push = [&](int l) {
-      if (l < 0 || next[l] < 0) return;
-      float p;
-      int m;
-      if (Merge(sym[l], sym[next[l]], &p, &m)) q.push({p, l, sym[l], sym[next[l]], m});
-    };
-    for (int i = 0; i + 1 < n; ++i) push(i);
-    while (!q.empty()) {
-      const Cand c = q.top();
-      q.pop();
-      const int r = next[c.left];
-      if (sym[c.left] != c.a || r < 0 || sym[r] != c.b) continue;  // stale
-      sym[c.left] = c.merged;
-      sym[r] = -1;
-      next[c.left] = next[r];
-      if (next[r] >= 0) prev[next[r]] = c.left;
-      push(prev[c.left]);
-      push(c.left);
-    }
-    for (int i = 0; i >= 0 && i < n; i = next[i]) out.push_back(sym[i]);
+    MergePairs<float>(
+        sym, [this](int a, int b, float* prio, int* merged) { return Merge(a, b, prio, merged); }, out);
   }
 
   std::unordered_map<std::string, int> id_of_;
