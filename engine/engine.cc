@@ -6,6 +6,8 @@
 #include <cmath>
 #include <future>
 
+#include "engine/request_limits.h"
+
 namespace qkv {
 namespace {
 
@@ -15,16 +17,6 @@ double UnixTime(Clock::time_point t) {
   const auto now_sys = std::chrono::system_clock::now();
   const auto delta = std::chrono::duration_cast<std::chrono::system_clock::duration>(t - Clock::now());
   return std::chrono::duration<double>((now_sys + delta).time_since_epoch()).count();
-}
-
-Status ValidateId(const std::string& id, const char* field) {
-  if (id.empty() || id.size() > 128) return InvalidArgument(std::string(field) + " must be 1-128 characters");
-  for (char c : id) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return InvalidArgument(std::string(field) + " may only contain [A-Za-z0-9._-]");
-    }
-  }
-  return {};
 }
 
 }  // namespace
@@ -153,7 +145,7 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   if (p.max_tokens == 0 || p.max_tokens < -1) return InvalidArgument("max_tokens must be at least 1");
   if (p.logprobs < 0 || p.logprobs > 20) return InvalidArgument("logprobs must be in 0..20");
   if (p.request_id.empty()) p.request_id = "req-" + std::to_string(next_seq_id_);
-  QKV_RETURN_IF_ERROR(ValidateId(p.request_id, "request_id"));
+  QKV_RETURN_IF_ERROR(CheckId("request_id", p.request_id));
   if (by_request_id_.count({p.ns, p.request_id})) {
     return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
   }
@@ -485,7 +477,7 @@ StatusOr<SessionInfo> Engine::CreateSession(const std::string& ns, const std::st
 
 StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
                                               std::vector<int> initial_tokens) {
-  QKV_RETURN_IF_ERROR(ValidateId(id, "session_id"));
+  QKV_RETURN_IF_ERROR(CheckId("session_id", id));
   if (!(ttl_s >= 0)) return InvalidArgument("ttl must not be negative");
   QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_tokens"));
   if (static_cast<int>(initial_tokens.size()) >= model_.max_context()) {
@@ -551,7 +543,7 @@ StatusOr<SessionInfo> Engine::ForkSession(const std::string& ns, const std::stri
 
 StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::string& parent,
                                             const std::string& child) {
-  QKV_RETURN_IF_ERROR(ValidateId(child, "child session_id"));
+  QKV_RETURN_IF_ERROR(CheckId("child session_id", child));
   Session* p = FindSession(ns, parent);
   if (!p) return NotFound("session '" + parent + "' not found");
   if (p->busy) return FailedPrecondition("session '" + parent + "' is busy with another request");

@@ -109,6 +109,25 @@ int main(int argc, char** argv) {
   app.add_option("--drain-grace-seconds", drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  qkv::RequestLimits limits;
+  app.add_option("--max-prompt-bytes", limits.max_prompt_bytes, "bytes of prompt text (or of all messages)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-prompt-tokens", limits.max_prompt_tokens, "prompt tokens (0: the context length)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-messages", limits.max_messages, "chat messages per request")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-stop-strings", limits.max_stop_strings, "stop strings per request")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-stop-bytes", limits.max_stop_bytes, "bytes of all stop strings of a request")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-stop-token-ids", limits.max_stop_token_ids, "stop token ids per request")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));
 
@@ -198,6 +217,7 @@ int main(int argc, char** argv) {
   so.instance_id = instance_id;
   so.chat_template = tmpl;
   so.model_name = std::filesystem::path(model).stem().string();
+  so.limits = limits;
   qkv::server::InferenceService service(**engine, so);
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -301,8 +301,15 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
   GenerateParams p;
   p.ns = ns;
   const Tokenizer& tok = engine_.model().tokenizer();
+  const RequestLimits& lim = opt_.limits;
+  // Sizes first: nothing proportional to the input (tokenization, the engine's stop scans) runs before.
+  QKV_RETURN_IF_ERROR(
+      CheckStops(lim, std::vector<std::string>(req.stop().begin(), req.stop().end()), req.stop_token_ids_size()));
+  if (req.has_session_id()) QKV_RETURN_IF_ERROR(CheckId("session_id", req.session_id()));
+  if (req.has_request_id()) QKV_RETURN_IF_ERROR(CheckId("request_id", req.request_id()));
   switch (req.input_case()) {
     case pb::GenerateRequest::kText:
+      QKV_RETURN_IF_ERROR(CheckPromptBytes(lim, "text", static_cast<int64_t>(req.text().size())));
       if (req.text().empty()) return InvalidArgument("text is empty");
       if (!IsValidUtf8(req.text())) return InvalidArgument("text is not valid UTF-8");
       if (!req.has_session_id() && tok.add_bos() && tok.bos_id() >= 0) p.prompt.push_back(tok.bos_id());
@@ -312,10 +319,16 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
       }
       break;
     case pb::GenerateRequest::kTokenIds:
+      QKV_RETURN_IF_ERROR(CheckPromptTokens(lim, req.token_ids().ids_size(), engine_.model().max_context()));
       if (req.token_ids().ids().empty()) return InvalidArgument("token_ids is empty");
       p.prompt.assign(req.token_ids().ids().begin(), req.token_ids().ids().end());
       break;
     case pb::GenerateRequest::kMessages: {
+      QKV_RETURN_IF_ERROR(CheckMessageCount(lim, req.messages().messages_size()));
+      int64_t bytes = 0;
+      for (const auto& m : req.messages().messages())
+        bytes += static_cast<int64_t>(m.content().size() + m.role().size());
+      QKV_RETURN_IF_ERROR(CheckPromptBytes(lim, "messages", bytes));
       std::vector<ChatMessageIn> msgs;
       for (int i = 0; i < req.messages().messages_size(); ++i) {
         const auto& m = req.messages().messages(i);
@@ -330,6 +343,7 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
     }
     default: return InvalidArgument("one of text, token_ids or messages is required");
   }
+  QKV_RETURN_IF_ERROR(CheckPromptTokens(lim, static_cast<int64_t>(p.prompt.size()), engine_.model().max_context()));
   if (req.has_session_id()) {
     if (req.session_id().empty()) return InvalidArgument("session_id is empty");
     p.session_id = req.session_id();
@@ -380,7 +394,7 @@ grpc::ServerUnaryReactor* InferenceService::Cancel(grpc::CallbackServerContext* 
                                                    pb::CancelResponse*) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
-  if (req->request_id().empty()) return Done(ctx, ToGrpc(InvalidArgument("request_id is empty")));
+  if (Status st = CheckId("request_id", req->request_id()); !st.ok()) return Done(ctx, ToGrpc(st));
   engine_.Cancel(*ns, req->request_id());
   return Done(ctx, grpc::Status::OK);
 }
@@ -402,6 +416,7 @@ grpc::ServerUnaryReactor* InferenceService::GetSession(grpc::CallbackServerConte
                                                        const pb::GetSessionRequest* req, pb::Session* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (Status st = CheckId("session_id", req->session_id()); !st.ok()) return Done(ctx, ToGrpc(st));
   auto* reactor = ctx->DefaultReactor();
   engine_.GetSession(*ns, req->session_id(), req->include_token_ids(), SessionDone(reactor, resp));
   return reactor;
@@ -424,6 +439,7 @@ grpc::ServerUnaryReactor* InferenceService::ForkSession(grpc::CallbackServerCont
                                                         const pb::ForkSessionRequest* req, pb::Session* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (Status st = CheckId("session_id", req->session_id()); !st.ok()) return Done(ctx, ToGrpc(st));
   const std::string child = req->has_child_session_id() ? req->child_session_id() : NewId("s");
   auto* reactor = ctx->DefaultReactor();
   engine_.ForkSession(*ns, req->session_id(), child, SessionDone(reactor, resp));
@@ -434,6 +450,7 @@ grpc::ServerUnaryReactor* InferenceService::TruncateSession(grpc::CallbackServer
                                                             const pb::TruncateSessionRequest* req, pb::Session* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (Status st = CheckId("session_id", req->session_id()); !st.ok()) return Done(ctx, ToGrpc(st));
   auto* reactor = ctx->DefaultReactor();
   engine_.TruncateSession(*ns, req->session_id(), req->num_tokens(), SessionDone(reactor, resp));
   return reactor;
@@ -444,6 +461,7 @@ grpc::ServerUnaryReactor* InferenceService::CloseSession(grpc::CallbackServerCon
                                                          pb::CloseSessionResponse*) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (Status st = CheckId("session_id", req->session_id()); !st.ok()) return Done(ctx, ToGrpc(st));
   auto* reactor = ctx->DefaultReactor();
   engine_.CloseSession(*ns, req->session_id(), [reactor](Status st) { reactor->Finish(ToGrpc(st)); });
   return reactor;
@@ -453,6 +471,9 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
                                                      pb::TokenizeResponse* resp) {
   auto ns = Authenticate(ctx);
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (Status st = CheckPromptBytes(opt_.limits, "text", static_cast<int64_t>(req->text().size())); !st.ok()) {
+    return Done(ctx, ToGrpc(st));
+  }
   if (!IsValidUtf8(req->text())) return Done(ctx, ToGrpc(InvalidArgument("text is not valid UTF-8")));
   const Tokenizer& tok = engine_.model().tokenizer();
   if (req->add_special() && tok.add_bos() && tok.bos_id() >= 0) resp->add_token_ids(tok.bos_id());

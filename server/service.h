@@ -8,6 +8,7 @@
 
 #include "engine/chat_template.h"
 #include "engine/engine.h"
+#include "engine/request_limits.h"
 #include "qkvserve/v1/inference.grpc.pb.h"
 
 namespace qkv::server {
@@ -17,6 +18,7 @@ struct ServiceOptions {
   std::string instance_id;
   ChatTemplateKind chat_template = ChatTemplateKind::kPlain;
   std::string model_name;
+  RequestLimits limits;
 };
 
 grpc::Status ToGrpc(const Status& s);

@@ -13,7 +13,7 @@ layer_of() {
     engine/kernels/* | engine/kv_cache.*) echo kernels ;;
     engine/model.* | engine/layers/*) echo model ;;
     engine/block_manager.* | engine/request.* | engine/sampler.* | engine/text_stream.* | engine/scheduler.* | \
-      engine/output_processor.* | \
+      engine/output_processor.* | engine/request_limits.* | \
       engine/engine.* | engine/sequence.h) echo serving ;;
     *) echo unknown ;;
   esac

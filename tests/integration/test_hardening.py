@@ -34,7 +34,7 @@ class HardeningTest(unittest.TestCase):
             with self.assertRaises(grpc.RpcError) as cm:
                 self.stub.Complete(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * n), max_tokens=2147483647))
             codes.append(cm.exception.code())
-            self.assertIn("max_tokens", cm.exception.details())
+            self.assertIn("context", cm.exception.details())
         t.join(60)
         self.assertEqual(codes, [grpc.StatusCode.INVALID_ARGUMENT] * 3)
         rs, _, ids = result["r"]
@@ -47,6 +47,57 @@ class HardeningTest(unittest.TestCase):
             got = self.stub.Complete(pb.GenerateRequest(text="In the beginning", max_tokens=8, temperature=t,
                                                         ignore_eos=True, seed=1))
             self.assertEqual(list(got.token_ids), want, f"temperature {t}")
+
+
+    def code(self, fn, req):
+        with self.assertRaises(grpc.RpcError) as cm:
+            fn(req)
+        return cm.exception.code(), cm.exception.details()
+
+    def test_request_sizes_are_bounded_before_any_work(self):
+        # Observation 3: 400,000 stop strings were accepted and scanned for every token.
+        C = self.code
+        cases = [
+            (pb.GenerateRequest(text="x", stop=["s%d" % i for i in range(400000)]), "--max-stop-strings"),
+            (pb.GenerateRequest(text="x", stop=["y" * 20000]), "--max-stop-bytes"),
+            (pb.GenerateRequest(text="x", stop_token_ids=list(range(5000))), "--max-stop-token-ids"),
+            (pb.GenerateRequest(text="a" * (5 << 20)), "--max-prompt-bytes"),
+            (pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="hi")] * 2000)),
+             "--max-messages"),
+        ]
+        for req, flag in cases:
+            code, details = C(self.stub.Complete, req)
+            self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+            self.assertIn(flag, details)
+        code, details = C(self.stub.Complete, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 300)))
+        self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT, details)
+        self.assertIn("context", details)
+        code, details = C(self.stub.Tokenize, pb.TokenizeRequest(text="a" * (5 << 20)))
+        self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        # Ids are bounded everywhere and never echoed back beyond their allowed length.
+        long_id = "x" * 100000
+        for fn, req in [(self.stub.Cancel, pb.CancelRequest(request_id=long_id)),
+                        (self.stub.GetSession, pb.GetSessionRequest(session_id=long_id)),
+                        (self.stub.CloseSession, pb.CloseSessionRequest(session_id=long_id)),
+                        (self.stub.ForkSession, pb.ForkSessionRequest(session_id=long_id)),
+                        (self.stub.TruncateSession, pb.TruncateSessionRequest(session_id=long_id)),
+                        (self.stub.Complete, pb.GenerateRequest(text="x", session_id=long_id)),
+                        (self.stub.Complete, pb.GenerateRequest(text="x", request_id=long_id))]:
+            code, details = C(fn, req)
+            self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT, details)
+            self.assertLess(len(details), 200)
+        self.assertTrue(self.stub.Complete(greedy(text="still serving", max_tokens=2)).token_ids)
+
+    def test_limits_are_flags(self):
+        s = Server("--max-stop-strings", "2", "--max-prompt-bytes", "10")
+        try:
+            code, details = self.code(s.stub.Complete, pb.GenerateRequest(text="x", stop=["a", "b", "c"]))
+            self.assertEqual((code, "--max-stop-strings" in details), (grpc.StatusCode.RESOURCE_EXHAUSTED, True))
+            code, details = self.code(s.stub.Complete, pb.GenerateRequest(text="x" * 11))
+            self.assertEqual((code, "--max-prompt-bytes" in details), (grpc.StatusCode.RESOURCE_EXHAUSTED, True))
+            self.assertTrue(s.stub.Complete(greedy(text="x" * 10, max_tokens=1, stop=["a", "b"])).token_ids)
+        finally:
+            s.stop()
 
 
 if __name__ == "__main__":

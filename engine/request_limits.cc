@@ -1,0 +1,63 @@
+#include "engine/request_limits.h"
+
+#include <cctype>
+
+namespace qkv {
+namespace {
+
+Status TooMuch(std::string_view what, int64_t got, int64_t limit, std::string_view flag) {
+  return ResourceExhausted(std::string(what) + " (" + std::to_string(got) + ") exceeds the server's limit of " +
+                           std::to_string(limit) + " (" + std::string(flag) + ")");
+}
+
+}  // namespace
+
+Status CheckId(std::string_view field, std::string_view id) {
+  if (id.empty() || id.size() > RequestLimits::kMaxIdLength) {
+    return InvalidArgument(std::string(field) + " must be 1-" + std::to_string(RequestLimits::kMaxIdLength) +
+                           " characters (got " + std::to_string(id.size()) + ")");
+  }
+  for (char c : id) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return InvalidArgument(std::string(field) + " may only contain [A-Za-z0-9._-]");
+    }
+  }
+  return {};
+}
+
+Status CheckPromptBytes(const RequestLimits& l, std::string_view field, int64_t bytes) {
+  if (bytes > l.max_prompt_bytes)
+    return TooMuch(std::string(field) + " bytes", bytes, l.max_prompt_bytes, "--max-prompt-bytes");
+  return {};
+}
+
+Status CheckPromptTokens(const RequestLimits& l, int64_t n, int context) {
+  if (l.max_prompt_tokens > 0 && n > l.max_prompt_tokens) {
+    return TooMuch("prompt tokens", n, l.max_prompt_tokens, "--max-prompt-tokens");
+  }
+  if (n > context) {  // cannot fit at all: the same kind of error as the engine's context overflow
+    return InvalidArgument("context overflow: prompt (" + std::to_string(n) + " tokens) exceeds the context of " +
+                           std::to_string(context) + " tokens");
+  }
+  return {};
+}
+
+Status CheckMessageCount(const RequestLimits& l, int64_t n) {
+  if (n > l.max_messages) return TooMuch("messages", n, l.max_messages, "--max-messages");
+  return {};
+}
+
+Status CheckStops(const RequestLimits& l, std::span<const std::string> stops, int64_t n_stop_token_ids) {
+  if (static_cast<int64_t>(stops.size()) > l.max_stop_strings) {
+    return TooMuch("stop strings", static_cast<int64_t>(stops.size()), l.max_stop_strings, "--max-stop-strings");
+  }
+  int64_t bytes = 0;
+  for (const std::string& s : stops) bytes += static_cast<int64_t>(s.size());
+  if (bytes > l.max_stop_bytes) return TooMuch("stop string bytes", bytes, l.max_stop_bytes, "--max-stop-bytes");
+  if (n_stop_token_ids > l.max_stop_token_ids) {
+    return TooMuch("stop_token_ids", n_stop_token_ids, l.max_stop_token_ids, "--max-stop-token-ids");
+  }
+  return {};
+}
+
+}  // namespace qkv
