@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <future>
+#include <type_traits>
 
 #include "engine/request_limits.h"
 
@@ -30,6 +31,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
   if (opt.default_max_tokens < 1) return InvalidArgument("default max_tokens must be positive");
   auto e = std::unique_ptr<Engine>(new Engine(model, opt));
   e->PublishStats();
+  e->progress_ns_.store(Clock::now().time_since_epoch().count());
   e->thread_ = std::thread([p = e.get()] { p->Loop(); });
   return e;
 }
@@ -63,14 +65,46 @@ void Engine::Post(std::function<void()> fn) {
 
 template <typename T>
 void Engine::Async(std::function<T()> fn, Done<T> done) {
-  Post([fn = std::move(fn), done = std::move(done)] { done(fn()); });
+  Post([fn = std::move(fn), done = std::move(done)] {
+    std::optional<T> result;
+    try {
+      result.emplace(fn());
+    } catch (const std::exception& e) {  // the caller gets an error, the engine thread goes on
+      if constexpr (std::is_constructible_v<T, Status>) {
+        result.emplace(Internal(std::string("engine: ") + e.what()));
+      } else {
+        result.emplace();
+      }
+    }
+    done(std::move(*result));
+  });
+}
+
+void Engine::RunCommand(std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    spdlog::error("engine command failed: {}", e.what());
+  }
+}
+
+void Engine::FailRunning(const std::string& why) {
+  spdlog::error("{}", why);
+  std::vector<Sequence*> victims;
+  for (auto& [id, s] : seqs_) victims.push_back(s.get());
+  for (Sequence* s : victims) Finish(s, FinishReason::kError, "", Internal(why));
+}
+
+double Engine::SecondsSinceProgress() const {
+  const int64_t last = progress_ns_.load();
+  return std::chrono::duration<double>(Clock::now().time_since_epoch() - Clock::duration(last)).count();
 }
 
 template <typename T>
 T Engine::Call(std::function<T()> fn) {
   auto p = std::make_shared<std::promise<T>>();
   auto f = p->get_future();
-  Post([p, fn = std::move(fn)] { p->set_value(fn()); });
+  Async<T>(std::move(fn), [p](T r) { p->set_value(std::move(r)); });
   return f.get();
 }
 
@@ -101,10 +135,16 @@ void Engine::Loop() {
       }
       cmds.swap(commands_);
     }
-    for (auto& fn : cmds) fn();
+    for (auto& fn : cmds) RunCommand(fn);
     ExpireSessions();
-    Step();
+    try {
+      Step();
+    } catch (const std::exception& e) {
+      // An exception (an allocation failure, a bug) fails the requests of this step, not the process.
+      FailRunning(std::string("engine step failed: ") + e.what());
+    }
     MaybePublishStats();
+    progress_ns_.store(Clock::now().time_since_epoch().count());
   }
 }
 

@@ -136,6 +136,9 @@ class Engine {
 
   // The snapshot published after the last step (never takes the engine's lock).
   EngineStats Stats() const;
+  // Seconds since the engine thread last finished a loop iteration (it wakes at least every 250 ms, so a
+  // large figure means it is stuck); liveness checks read it.
+  double SecondsSinceProgress() const;
   // Stops taking requests (UNAVAILABLE) and cancels the running ones.
   void Shutdown();
   // Test hook: checks block accounting against every owner; "" when consistent. Runs on the engine thread.
@@ -149,6 +152,9 @@ class Engine {
   Engine(Model& model, const EngineOptions& opt);
   void Loop();
   void Post(std::function<void()> fn);
+  void RunCommand(std::function<void()>& fn);
+  // Ends every request in flight with INTERNAL (after an exception on the engine thread).
+  void FailRunning(const std::string& why);
   // Runs fn on the engine thread and hands its result to done there.
   template <typename T>
   void Async(std::function<T()> fn, Done<T> done);
@@ -202,6 +208,7 @@ class Engine {
   std::vector<int> step_starts_, stats_filled_;
 
   Clock::time_point next_publish_{};
+  std::atomic<int64_t> progress_ns_{0};  // steady-clock time of the last finished loop iteration
   mutable std::mutex stats_mu_;
   EngineStats published_;
 };

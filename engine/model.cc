@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
 
 #include "engine/bf16.h"
 #include "engine/kernels/attention.h"
@@ -15,15 +16,42 @@
 namespace qkv {
 namespace {
 
+int64_t ReadInt64File(const char* path, int64_t fallback) {
+  std::ifstream in(path);
+  std::string v;
+  if (!(in >> v)) return fallback;
+  try {
+    return std::stoll(v);  // "max" (no limit) throws: the fallback
+  } catch (const std::exception&) {
+    return fallback;
+  }
+}
+
+// Memory this process may still use: MemAvailable, capped by the container's cgroup limit minus what the
+// cgroup already uses (v2: memory.max / memory.current; v1: memory.limit_in_bytes / memory.usage_in_bytes),
+// so that a pod under a Kubernetes limit sizes its KV cache from the limit, not from the host.
 int64_t MemAvailableBytes() {
   std::ifstream in("/proc/meminfo");
   std::string key;
   int64_t kb = 0;
   std::string unit;
+  int64_t avail = 0;
   while (in >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
+    if (key == "MemAvailable:") {
+      avail = kb * 1024;
+      break;
+    }
   }
-  return 0;
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  int64_t limit = ReadInt64File("/sys/fs/cgroup/memory.max", kNone);
+  int64_t used = ReadInt64File("/sys/fs/cgroup/memory.current", 0);
+  if (limit == kNone) {
+    limit = ReadInt64File("/sys/fs/cgroup/memory/memory.limit_in_bytes", kNone);
+    used = ReadInt64File("/sys/fs/cgroup/memory/memory.usage_in_bytes", 0);
+    if (limit >= (int64_t{1} << 60)) limit = kNone;  // v1 reports "no limit" as a huge number
+  }
+  if (limit != kNone) avail = std::min(avail, std::max<int64_t>(limit - used, 0));
+  return avail;
 }
 
 }  // namespace

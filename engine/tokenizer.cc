@@ -536,7 +536,21 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f) {
                                   add_bos, pattern, ignore_merges);
 }
 
+namespace {
+StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJsonUnchecked(const std::string& path);
+}  // namespace
+
+// A field of the wrong type makes nlohmann::json throw: that is an error message, never a terminate.
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& path) {
+  try {
+    return LoadTokenizerFromJsonUnchecked(path);
+  } catch (const nlohmann::json::exception& e) {
+    return InvalidArgument("tokenizer: '" + path + "' has a field of the wrong shape: " + e.what());
+  }
+}
+
+namespace {
+StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJsonUnchecked(const std::string& path) {
   std::ifstream in(path);
   if (!in) return NotFound("tokenizer: cannot read '" + path + "'");
   const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -645,6 +659,7 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& pa
                                   have_add_bos ? add_bos_cfg : (bos >= 0 && bos != eos), pattern,
                                   m.value("ignore_merges", false), normalizers.count("NFC") > 0);
 }
+}  // namespace
 
 void BpeVocab::ToGguf(GgufWriter& w) const {
   w.SetString("tokenizer.ggml.model", "gpt2");

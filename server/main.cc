@@ -8,10 +8,14 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "engine/capacity_plan.h"
 #include "server/metrics.h"
@@ -52,6 +56,47 @@ std::string ResolveDefaultModel(std::vector<std::string>* looked) {
   }
   return "";
 }
+
+// SIGTERM/SIGINT at any time: one thread takes them (they are blocked everywhere else). While the server
+// is starting, the first one ends the process at once (nothing is in flight); once serving, the first one
+// starts the drain and a second one ends the process without waiting for the grace period.
+class SignalWatcher {
+ public:
+  explicit SignalWatcher(const sigset_t& sigs) : sigs_(sigs) {
+    std::thread([this] { Run(); }).detach();
+  }
+  void SetServing() { serving_.store(true); }
+  // Blocks until the first signal once serving; returns it.
+  int WaitForDrain() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [this] { return sig_ != 0; });
+    return sig_;
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&sigs_, &sig) != 0) continue;
+      if (!serving_.load()) {
+        spdlog::warn("signal {} while starting: exiting", sig);
+        std::_Exit(0);
+      }
+      std::lock_guard<std::mutex> l(mu_);
+      if (sig_ != 0) {
+        spdlog::warn("second signal {} while draining: exiting now", sig);
+        std::_Exit(1);
+      }
+      sig_ = sig;
+      cv_.notify_all();
+    }
+  }
+  sigset_t sigs_;
+  std::atomic<bool> serving_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int sig_ = 0;
+};
 
 std::string ReadFile(const std::string& path, bool* ok) {
   std::ifstream in(path);
@@ -109,6 +154,11 @@ int main(int argc, char** argv) {
   app.add_option("--drain-grace-seconds", drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  double liveness_timeout = 60;
+  app.add_option("--liveness-timeout-seconds", liveness_timeout,
+                 "liveness (health service \"\") turns NOT_SERVING when the engine thread makes no progress this long")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   qkv::RequestLimits limits;
   app.add_option("--max-prompt-bytes", limits.max_prompt_bytes, "bytes of prompt text (or of all messages)")
       ->capture_default_str()
@@ -131,12 +181,14 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));
 
-  // SIGTERM/SIGINT are taken by sigwait in main; block them before any thread starts.
+  // SIGTERM/SIGINT are taken by the watcher thread; block them before any other thread starts.
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  // Never destroyed: its detached thread may still wake up while the process exits.
+  SignalWatcher& signals = *new SignalWatcher(sigs);
 
   if (model.empty()) {
     std::vector<std::string> looked;
@@ -272,8 +324,27 @@ int main(int argc, char** argv) {
     std::filesystem::rename(tmp, ready_file);
   }
 
-  int sig = 0;
-  sigwait(&sigs, &sig);
+  signals.SetServing();
+  // Liveness follows the engine thread: NOT_SERVING while it has not finished a loop iteration (it wakes at
+  // least every 250 ms) for --liveness-timeout-seconds, SERVING again once it does.
+  std::atomic<bool> watching{true};
+  std::thread watchdog([&] {
+    bool live = true;
+    while (watching.load()) {
+      const bool now_live = (*engine)->SecondsSinceProgress() < liveness_timeout;
+      if (now_live != live) {
+        live = now_live;
+        health->SetServingStatus("", live);
+        if (live) {
+          spdlog::warn("engine thread progressing again: liveness SERVING");
+        } else {
+          spdlog::error("engine thread made no progress for {} s: liveness NOT_SERVING", liveness_timeout);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  const int sig = signals.WaitForDrain();
   spdlog::info("signal {}: draining (readiness NOT_SERVING, new requests refused, {} s grace)", sig, drain_grace);
   service.StartDraining();
   health->SetServingStatus(kService, false);
@@ -283,9 +354,13 @@ int main(int argc, char** argv) {
     if (s.requests_running == 0 && s.requests_waiting == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  watching.store(false);
+  watchdog.join();
   (*engine)->Shutdown();  // cancels whatever is still running
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
+  // Dependency order: the metrics exposer reads the engine, so it stops first.
+  metrics->reset();
   engine->reset();
   spdlog::info("stopped");
   return 0;

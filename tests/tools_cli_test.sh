@@ -48,6 +48,12 @@ expect_error "weights-dtype" "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1 --w
 expect_error "cannot open" "$bin/qkv-run" --model "$tmp/none.gguf" --tokens 1
 head -c 1000 "$tmp/m.gguf" > "$tmp/trunc.gguf"
 expect_error "DATA_LOSS" "$bin/qkv-run" --model "$tmp/trunc.gguf" --tokens 1
+# A tokenizer.json with a field of the wrong type is an error message, not a terminate (issue 13).
+echo '{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": [{"id": "x"}]}' > "$tmp/badtok.json"
+set +e
+out=$(echo '"hi"' | "$bin/qkv-model" tokenize --tokenizer "$tmp/badtok.json" 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "wrong shape" <<<"$out" || fail "bad tokenizer.json: rc=$rc, $out"
 echo '{"hidden_size": 64}' > "$tmp/bad.json"
 expect_error "missing 'num_hidden_layers'" "$bin/qkv-model" random --config "$tmp/bad.json" --out "$tmp/x.gguf"
-echo "tools_cli: 11 passed, 0 failed"
+echo "tools_cli: 12 passed, 0 failed"

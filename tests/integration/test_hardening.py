@@ -100,5 +100,44 @@ class HardeningTest(unittest.TestCase):
             s.stop()
 
 
+class ProcessLifeTest(unittest.TestCase):
+    """Observation 7: SIGTERM during load was ignored until loading ended; a second SIGTERM did nothing."""
+
+    def test_sigterm_while_starting_exits_at_once(self):
+        import os
+        import signal
+        import subprocess
+        import time
+        from harness import BIN, make_model
+        model = make_model()
+        for delay in (0.0, 0.02, 0.05):
+            p = subprocess.Popen([os.path.join(BIN, "qkvserve"), "--model", model, "--listen", "127.0.0.1:0",
+                                  "--metrics-listen", "127.0.0.1:0", "--threads", "1", "--kv-cache-bytes", "8MiB"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(delay)
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                self.fail(f"qkvserve ignored SIGTERM {delay} s after start")
+
+    def test_second_sigterm_while_draining_exits_now(self):
+        import signal
+        import time
+        s = Server("--threads", "1", "--drain-grace-seconds", "120")
+        stream = s.stub.Generate(pb.GenerateRequest(text="go", max_tokens=200, ignore_eos=True))
+        next(stream)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        self.assertIsNone(s.proc.poll(), "the first signal drains (the stream is still running)")
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(10)
+        self.assertLess(time.time() - t0, 10)
+        self.assertEqual(s.proc.returncode, 1)
+        s.stop()
+
+
 if __name__ == "__main__":
     unittest.main()
