@@ -95,6 +95,19 @@ void Engine::FailRunning(const std::string& why) {
   for (Sequence* s : victims) Finish(s, FinishReason::kError, "", Internal(why));
 }
 
+Status Engine::CheckSessionQuota(const std::string& ns) const {
+  if (static_cast<int>(sessions_.size()) >= opt_.max_sessions) {
+    return ResourceExhausted("the server holds " + std::to_string(opt_.max_sessions) + " sessions, its limit");
+  }
+  const int quota = opt_.QuotaFor(ns).max_sessions;
+  auto it = sessions_per_ns_.find(ns);
+  if (it != sessions_per_ns_.end() && it->second >= quota) {
+    return ResourceExhausted("this key holds " + std::to_string(quota) +
+                             " sessions, its limit (forks count; --max-sessions-per-key or the key file)");
+  }
+  return {};
+}
+
 double Engine::SecondsSinceProgress() const {
   const int64_t last = progress_ns_.load();
   return std::chrono::duration<double>(Clock::now().time_since_epoch() - Clock::duration(last)).count();
@@ -189,6 +202,17 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   if (by_request_id_.count({p.ns, p.request_id})) {
     return Status(StatusCode::kAlreadyExists, "request_id '" + p.request_id + "' is already running");
   }
+  const TenantQuota& quota = opt_.QuotaFor(p.ns);
+  if (p.priority < quota.min_priority || p.priority > quota.max_priority) {
+    return InvalidArgument("priority " + std::to_string(p.priority) + " is outside this key's range " +
+                           std::to_string(quota.min_priority) + ".." + std::to_string(quota.max_priority) +
+                           " (--priority-range or the key file)");
+  }
+  const uint32_t ns_id = scheduler_.pool().Namespace(p.ns);
+  if (scheduler_.n_waiting(ns_id) >= quota.max_waiting) {
+    return ResourceExhausted("this key has " + std::to_string(quota.max_waiting) +
+                             " requests waiting, its limit (--max-waiting-per-key or the key file)");
+  }
   if (static_cast<int>(scheduler_.n_waiting()) >= opt_.max_waiting) {
     return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
   }
@@ -222,7 +246,8 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   }
   auto s = std::make_unique<Sequence>();
   s->id = next_seq_id_++;
-  s->ns_id = scheduler_.pool().Namespace(p.ns);
+  s->ns_id = ns_id;
+  s->tenant_max_running = quota.max_running;
   s->max_tokens = static_cast<int>(max_tokens);  // <= the context
   s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
   if (session) {
@@ -357,6 +382,7 @@ void Engine::ExpireSessions() {
     if (s.busy) continue;  // re-queued by Touch when its turn ends
     ReleaseBlocks(s.ctx.kv, scheduler_.pool());
     ++counters_.session_evictions_ttl;
+    --sessions_per_ns_[ns];
     sessions_.erase(it);
   }
 }
@@ -525,7 +551,7 @@ StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::
                            ") must be shorter than the context of " + std::to_string(model_.max_context()));
   }
   if (sessions_.count({ns, id})) return Status(StatusCode::kAlreadyExists, "session '" + id + "' already exists");
-  if (static_cast<int>(sessions_.size()) >= opt_.max_sessions) return ResourceExhausted("too many sessions");
+  QKV_RETURN_IF_ERROR(CheckSessionQuota(ns));
   auto s = std::make_unique<Session>();
   s->id = id;
   s->ns = ns;
@@ -538,6 +564,7 @@ StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::
   Touch(*s);
   SessionInfo info = Info(*s, false);
   sessions_[{ns, id}] = std::move(s);
+  ++sessions_per_ns_[ns];
   return info;
 }
 
@@ -588,6 +615,7 @@ StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::st
   if (!p) return NotFound("session '" + parent + "' not found");
   if (p->busy) return FailedPrecondition("session '" + parent + "' is busy with another request");
   if (sessions_.count({ns, child})) return Status(StatusCode::kAlreadyExists, "session '" + child + "' already exists");
+  QKV_RETURN_IF_ERROR(CheckSessionQuota(ns));
   auto s = std::make_unique<Session>();
   s->id = child;
   s->ns = ns;
@@ -601,6 +629,7 @@ StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::st
   Touch(*s);
   SessionInfo info = Info(*s, false);
   sessions_[{ns, child}] = std::move(s);
+  ++sessions_per_ns_[ns];
   return info;
 }
 
@@ -640,6 +669,7 @@ Status Engine::DoCloseSession(const std::string& ns, const std::string& id) {
   if (it->second->busy) return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
   ReleaseBlocks(it->second->ctx.kv, scheduler_.pool());
   Forget(*it->second);
+  --sessions_per_ns_[ns];
   sessions_.erase(it);
   ++counters_.session_evictions_closed;
   return {};

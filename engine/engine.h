@@ -34,13 +34,29 @@
 
 namespace qkv {
 
+// What one tenant (an API key; "" without keys) may hold at once. Sessions count forks; waiting and running
+// are requests queued and sequences in the running batch; priority is the range its requests may ask for
+// (outside it: INVALID_ARGUMENT), so that one key cannot outrank another unless an operator allows it.
+struct TenantQuota {
+  int max_sessions = 10000;
+  int max_waiting = 1024;
+  int max_running = 64;
+  int min_priority = 0, max_priority = 0;
+};
+
 struct EngineOptions {
   int max_num_batched_tokens = 512;  // must not exceed the model's max_batch_tokens
   int max_num_seqs = 64;
   bool prefix_caching = true;
-  int max_waiting = 1024;        // queued requests beyond this are refused (RESOURCE_EXHAUSTED)
-  int default_max_tokens = 256;  // when a request gives none (capped by the context)
-  int max_sessions = 100000;
+  int max_waiting = 1024;                     // queued requests beyond this are refused (RESOURCE_EXHAUSTED)
+  int default_max_tokens = 256;               // when a request gives none (capped by the context)
+  int max_sessions = 100000;                  // all tenants together
+  TenantQuota default_quota;                  // every tenant's, unless overridden below
+  std::map<std::string, TenantQuota> quotas;  // by namespace (API key)
+  const TenantQuota& QuotaFor(const std::string& ns) const {
+    auto it = quotas.find(ns);
+    return it == quotas.end() ? default_quota : it->second;
+  }
 };
 
 struct SessionInfo {
@@ -155,6 +171,8 @@ class Engine {
   void RunCommand(std::function<void()>& fn);
   // Ends every request in flight with INTERNAL (after an exception on the engine thread).
   void FailRunning(const std::string& why);
+  // The global session cap and ns's own (forks included).
+  Status CheckSessionQuota(const std::string& ns) const;
   // Runs fn on the engine thread and hands its result to done there.
   template <typename T>
   void Async(std::function<T()> fn, Done<T> done);
@@ -201,6 +219,7 @@ class Engine {
   std::map<std::pair<std::string, std::string>, uint64_t> by_request_id_;
   std::map<std::pair<std::string, std::string>, std::unique_ptr<Session>> sessions_;
   std::set<std::tuple<Clock::time_point, std::string, std::string>> expiry_;  // (deadline, ns, id), TTL > 0
+  std::map<std::string, int> sessions_per_ns_;
   EngineStats counters_;
   // Per-step scratch, kept so that the step loop does not allocate.
   std::vector<ScheduledChunk> step_chunks_;

@@ -109,25 +109,45 @@ bool Scheduler::EnsureBlocks(Sequence& seq, int end, std::vector<Sequence*>& run
   return true;
 }
 
-void Scheduler::Enqueue(Sequence* s) { waiting_.push_back(s); }
+void Scheduler::Enqueue(Sequence* s) {
+  waiting_.push_back(s);
+  ++waiting_by_ns_[s->ns_id];
+}
 
 void Scheduler::Remove(Sequence* s) {
-  running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
-  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
+  auto r = std::find(running_.begin(), running_.end(), s);
+  if (r != running_.end()) {
+    running_.erase(r);
+    --running_by_ns_[s->ns_id];
+  }
+  auto w = std::find(waiting_.begin(), waiting_.end(), s);
+  if (w != waiting_.end()) {
+    waiting_.erase(w);
+    --waiting_by_ns_[s->ns_id];
+  }
+}
+
+int Scheduler::n_waiting(uint32_t ns) const {
+  auto it = waiting_by_ns_.find(ns);
+  return it == waiting_by_ns_.end() ? 0 : it->second;
 }
 
 StepPlan Scheduler::PlanStep(const Evictor& evict) {
   std::deque<Sequence*>& waiting = waiting_;
   std::vector<Sequence*>& running = running_;
   StepPlan plan;
-  // Admission: highest priority first, then arrival order.
+  // Admission: highest priority first, then arrival order, skipping tenants at their running cap.
   while (static_cast<int>(running.size()) < opt_.max_num_seqs && !waiting.empty()) {
-    auto best = waiting.begin();
+    auto best = waiting.end();
     for (auto it = waiting.begin(); it != waiting.end(); ++it) {
-      if ((*it)->params.priority > (*best)->params.priority) best = it;
+      if (running_by_ns_[(*it)->ns_id] >= (*it)->tenant_max_running) continue;
+      if (best == waiting.end() || (*it)->params.priority > (*best)->params.priority) best = it;
     }
+    if (best == waiting.end()) break;
     Sequence* s = *best;
     waiting.erase(best);
+    --waiting_by_ns_[s->ns_id];
+    ++running_by_ns_[s->ns_id];
     if (s->use_prefix_cache && s->ctx.kv.n_tokens < static_cast<int>(s->ctx.tokens.size()) - 1) {
       const int before = s->ctx.kv.n_tokens;
       ReusePrefix(s->ctx, s->ns_id);
@@ -164,6 +184,8 @@ StepPlan Scheduler::PlanStep(const Evictor& evict) {
   for (Sequence* s : plan.preempted) {
     running.erase(std::remove(running.begin(), running.end(), s), running.end());
     waiting.push_front(s);
+    --running_by_ns_[s->ns_id];
+    ++waiting_by_ns_[s->ns_id];
   }
   return plan;
 }

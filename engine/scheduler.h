@@ -10,6 +10,7 @@
 
 #include <deque>
 #include <functional>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/kv_cache.h"
@@ -54,6 +55,7 @@ class Scheduler {
   void Enqueue(Sequence* s);
   void Remove(Sequence* s);  // from whichever queue holds it
   size_t n_waiting() const { return waiting_.size(); }
+  int n_waiting(uint32_t ns) const;
   size_t n_running() const { return running_.size(); }
   bool idle() const { return waiting_.empty() && running_.empty(); }
 
@@ -84,6 +86,7 @@ class Scheduler {
   KvBlockPool pool_;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
+  std::unordered_map<uint32_t, int> waiting_by_ns_, running_by_ns_;  // per tenant
   KvCache& kv_;
   SchedulerOptions opt_;
   uint64_t prefix_queries_ = 0, prefix_hits_ = 0, preemptions_ = 0;

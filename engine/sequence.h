@@ -51,6 +51,7 @@ struct Sequence {
   int n_cached = 0;  // context tokens reused at admission
   int n_generated = 0;
   int max_tokens = 0;
+  int tenant_max_running = 1 << 30;  // its tenant's running cap (TenantQuota::max_running)
   bool use_prefix_cache = true;
   std::unique_ptr<OutputProcessor> output;  // sampling, logprobs, text, stop checks
   std::shared_ptr<RequestStream> stream;

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "engine/capacity_plan.h"
+#include "server/api_keys.h"
 #include "server/metrics.h"
 #include "server/service.h"
 
@@ -154,6 +155,18 @@ int main(int argc, char** argv) {
   app.add_option("--drain-grace-seconds", drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  int max_sessions_per_key = 10000, max_waiting_per_key = 0, max_running_per_key = 0;
+  std::string priority_range = "0..0";
+  app.add_option("--max-sessions-per-key", max_sessions_per_key, "sessions one API key may hold (forks count)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-waiting-per-key", max_waiting_per_key, "queued requests per key (default: --max-waiting)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-running-per-key", max_running_per_key,
+                 "sequences of one key in the running batch (default: --max-num-seqs)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--priority-range", priority_range, "LO..HI: the request priorities every key may use")
+      ->capture_default_str();
   double liveness_timeout = 60;
   app.add_option("--liveness-timeout-seconds", liveness_timeout,
                  "liveness (health service \"\") turns NOT_SERVING when the engine thread makes no progress this long")
@@ -218,15 +231,22 @@ int main(int argc, char** argv) {
     mo.kv_cache_bytes = *b;
   }
   omp_set_num_threads(mo.n_threads);
+  qkv::TenantQuota quota;  // every key's, unless its line in the key file says otherwise
+  quota.max_sessions = max_sessions_per_key;
+  quota.max_waiting = max_waiting_per_key > 0 ? max_waiting_per_key : max_waiting;
+  quota.max_running = max_running_per_key > 0 ? max_running_per_key : max_seqs;
+  if (auto st = qkv::server::ParsePriorityRange(priority_range, &quota.min_priority, &quota.max_priority); !st.ok()) {
+    return Fail("--priority-range: " + st.message());
+  }
   std::set<std::string> keys;
+  std::map<std::string, qkv::TenantQuota> key_quotas;
   if (!api_keys_file.empty()) {
     std::ifstream in(api_keys_file);
     if (!in) return Fail("--api-keys: cannot read '" + api_keys_file + "'");
-    std::string line;
-    while (std::getline(in, line)) {
-      while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.pop_back();
-      if (!line.empty() && line[0] != '#') keys.insert(line);
-    }
+    auto parsed = qkv::server::ParseApiKeys(in, quota);
+    if (!parsed.ok()) return Fail("--api-keys: " + parsed.status().message());
+    key_quotas = std::move(*parsed);
+    for (const auto& [k, q] : key_quotas) keys.insert(k);
     if (keys.empty()) return Fail("--api-keys: '" + api_keys_file + "' holds no key");
   }
 
@@ -256,6 +276,8 @@ int main(int argc, char** argv) {
   eo.prefix_caching = !no_prefix_caching;
   eo.default_max_tokens = default_max_tokens;
   eo.max_waiting = max_waiting;
+  eo.default_quota = quota;
+  eo.quotas = key_quotas;
   auto engine = qkv::Engine::Create(m, eo);
   if (!engine.ok()) return Fail(engine.status().ToString());
 

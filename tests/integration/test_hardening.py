@@ -100,6 +100,68 @@ class HardeningTest(unittest.TestCase):
             s.stop()
 
 
+class QuotaTest(unittest.TestCase):
+    """Observation 4: one key forked 12,000 sessions; the session cap was global; priority crossed keys."""
+
+    def code(self, fn, req, **kw):
+        with self.assertRaises(grpc.RpcError) as cm:
+            fn(req, **kw)
+        return cm.exception.code(), cm.exception.details()
+
+    def test_per_key_sessions_priority_and_running(self):
+        import os
+        import tempfile
+        keys = os.path.join(tempfile.mkdtemp(), "keys")
+        with open(keys, "w") as f:
+            f.write("# key quotas\nalpha sessions=2 priority=0..5 running=1\nbeta\n")
+        s = Server("--api-keys", keys, "--max-sessions-per-key", "3")
+        try:
+            a = [("authorization", "Bearer alpha")]
+            b = [("authorization", "Bearer beta")]
+            s.stub.CreateSession(pb.CreateSessionRequest(session_id="a1"), metadata=a)
+            s.stub.CreateSession(pb.CreateSessionRequest(session_id="a2"), metadata=a)
+            code, details = self.code(s.stub.CreateSession, pb.CreateSessionRequest(session_id="a3"), metadata=a)
+            self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+            self.assertIn("sessions", details)
+            code, details = self.code(s.stub.ForkSession, pb.ForkSessionRequest(session_id="a1", child_session_id="a4"),
+                                      metadata=a)
+            self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED, details)  # forks count
+            for i in range(3):  # another key is not affected; it has the flag's default of 3
+                s.stub.CreateSession(pb.CreateSessionRequest(session_id=f"b{i}"), metadata=b)
+            code, _ = self.code(s.stub.CreateSession, pb.CreateSessionRequest(session_id="b3"), metadata=b)
+            self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            # Priority: alpha may ask for 5, beta only for 0 (the default range).
+            self.assertTrue(s.stub.Complete(greedy(text="hi", max_tokens=2, priority=5), metadata=a).token_ids)
+            code, details = self.code(s.stub.Complete, greedy(text="hi", max_tokens=2, priority=1), metadata=b)
+            self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT, details)
+            self.assertIn("priority", details)
+            # running=1: alpha's three concurrent requests all finish, one at a time.
+            import concurrent.futures
+            with concurrent.futures.ThreadPoolExecutor(3) as ex:
+                futs = [ex.submit(s.stub.Complete, greedy(text=f"x{i}", max_tokens=20, ignore_eos=True), metadata=a)
+                        for i in range(3)]
+                peak = 0
+                while not all(f.done() for f in futs):
+                    peak = max(peak, s.stub.GetStats(pb.GetStatsRequest(), metadata=a).requests_running)
+                self.assertEqual([len(f.result().token_ids) for f in futs], [20, 20, 20])
+            self.assertLessEqual(peak, 1)
+        finally:
+            s.stop()
+
+    def test_bad_key_file_is_refused(self):
+        import os
+        import subprocess
+        import tempfile
+        from harness import BIN, make_model
+        keys = os.path.join(tempfile.mkdtemp(), "keys")
+        with open(keys, "w") as f:
+            f.write("alpha sessions=lots\n")
+        r = subprocess.run([os.path.join(BIN, "qkvserve"), "--model", make_model(), "--api-keys", keys],
+                           capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("line 1", r.stderr)
+
+
 class ProcessLifeTest(unittest.TestCase):
     """Observation 7: SIGTERM during load was ignored until loading ended; a second SIGTERM did nothing."""
 
