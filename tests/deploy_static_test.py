@@ -42,9 +42,23 @@ check(load("pdb.yaml")["spec"]["minAvailable"] >= 1, "pod disruption budget")
 ing = load("ingress.yaml")
 check(ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id", "ingress hashes on x-session-id")
 check("kv-cache-bytes" in load("configmap.yaml")["data"]["qkvserve.ini"], "configmap")
+# Secure by default: API keys from a Secret, /metrics only for Prometheus.
+check("--api-keys" in c["args"], "the deployment requires API keys")
+vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+check(vols.get("api-keys", {}).get("secret", {}).get("secretName") == "qkvserve-api-keys", "API keys from a Secret")
+svc_ports = {p["name"] for p in load("service.yaml")["spec"]["ports"]}
+check(svc_ports == {"grpc"}, "the Service does not expose /metrics")
+np = load("networkpolicy.yaml")
+rules = np["spec"]["ingress"]
+metrics_rules = [r for r in rules if any(p["port"] == 9464 for p in r.get("ports", []))]
+check(metrics_rules and all(r.get("from") for r in metrics_rules), "only selected peers reach port 9464")
 with open(os.path.join(D, "compose.yaml")) as f:
     comp = yaml.safe_load(f)
 check({"qkvserve-0", "qkvserve-1", "nginx", "prometheus", "grafana"} <= set(comp["services"]), "compose services")
+for name in ("qkvserve-0", "qkvserve-1"):
+    svc = comp["services"][name]
+    check("--api-keys" in svc["command"] and "api_keys" in svc.get("secrets", []), f"{name} takes API keys from a secret")
+    check("ports" not in svc, f"{name} publishes no port on the host (metrics stay on the compose network)")
 nginx = shutil.which("nginx") or "/usr/sbin/nginx"
 if os.path.exists(nginx):
     tmp = tempfile.mkdtemp()
