@@ -1,0 +1,182 @@
+// Byte-level BPE: GPT-2, Llama 3 and Qwen pre-tokenizers (PCRE2 with UTF and Unicode properties), byte
+// tokens merged by rank.
+#include <unordered_map>
+
+#include "engine/tokenizer_bpe.h"
+#include "engine/utf8.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+namespace qkv {
+namespace {
+
+class Pcre2Splitter {
+ public:
+  static StatusOr<std::unique_ptr<Pcre2Splitter>> Create(const char* pattern) {
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern), PCRE2_ZERO_TERMINATED,
+                                     PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &off, nullptr);
+    if (!code) return Internal("tokenizer: cannot compile pre-tokenizer regex");
+    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter if JIT is unavailable
+    auto s = std::unique_ptr<Pcre2Splitter>(new Pcre2Splitter());
+    s->code_ = code;
+    return s;
+  }
+  ~Pcre2Splitter() { pcre2_code_free(code_); }
+
+  // Calls fn(piece) for each pre-token; bytes the pattern does not match are passed through as pieces.
+  template <typename Fn>
+  void Split(std::string_view text, Fn&& fn) const {
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
+    size_t pos = 0;
+    // Invalid UTF-8 would make PCRE2 refuse the subject: validate once and fall back to byte pieces.
+    const bool valid = IsValidUtf8(text);
+    while (pos < text.size()) {
+      if (!valid) {
+        fn(text.substr(pos));
+        break;
+      }
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos, PCRE2_NO_UTF_CHECK,
+                                 md, nullptr);
+      if (rc < 0) {
+        fn(text.substr(pos));
+        break;
+      }
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      if (ov[0] > pos) fn(text.substr(pos, ov[0] - pos));
+      if (ov[1] == ov[0]) {  // empty match: advance one code point
+        size_t n = 1;
+        while (ov[0] + n < text.size() && (static_cast<unsigned char>(text[ov[0] + n]) & 0xC0) == 0x80) ++n;
+        fn(text.substr(ov[0], n));
+        pos = ov[0] + n;
+      } else {
+        fn(text.substr(ov[0], ov[1] - ov[0]));
+        pos = ov[1];
+      }
+    }
+    pcre2_match_data_free(md);
+  }
+
+ private:
+  Pcre2Splitter() = default;
+  pcre2_code* code_ = nullptr;
+};
+
+// Byte-level BPE over token ids: each byte starts as its byte token; the lowest-ranked adjacent pair
+// is merged until no pair has a rank.
+class ByteBpeTokenizer final : public VocabTokenizer {
+ public:
+  // tokens in GPT-2's byte alphabet; types 3/4 mark special/added tokens; merges "a b" in rank order;
+  // pattern: the pre-tokenizer regex; ignore_merges: a pre-token that is itself a token is emitted whole.
+  static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
+                                                     const std::vector<int32_t>& types,
+                                                     const std::vector<std::string>& merges, int bos, int eos,
+                                                     bool add_bos, const std::string& pattern, bool ignore_merges,
+                                                     bool nfc = false) {
+    auto t = std::unique_ptr<ByteBpeTokenizer>(new ByteBpeTokenizer());
+    t->nfc_ = nfc;
+    QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(pattern.c_str()));
+    t->ignore_merges_ = ignore_merges;
+    const int n = static_cast<int>(tokens.size());
+    // Reverse of ByteToUnicode.
+    std::unordered_map<std::string, uint8_t> unicode_to_byte;
+    for (int b = 0; b < 256; ++b) unicode_to_byte[ByteToUnicode()[b]] = static_cast<uint8_t>(b);
+    t->bytes_.resize(n);
+    t->special_.assign(n, false);
+    std::unordered_map<std::string, int> id_of;
+    for (int i = 0; i < n; ++i) {
+      const std::string& s = tokens[i];
+      const int type = i < static_cast<int>(types.size()) ? types[i] : 1;
+      if (type == 3 || type == 4) {  // control / user-defined: text as is
+        t->special_[i] = true;
+        t->bytes_[i] = s;
+        if (!s.empty()) t->specials_.emplace_back(s, i);
+      } else {
+        std::string raw;
+        size_t p = 0;
+        while (p < s.size()) {
+          size_t len = 1;
+          while (p + len < s.size() && (static_cast<unsigned char>(s[p + len]) & 0xC0) == 0x80) ++len;
+          auto it = unicode_to_byte.find(s.substr(p, len));
+          if (it == unicode_to_byte.end()) {
+            raw = s;  // not in the byte alphabet: keep the text (as llama.cpp does for such tokens)
+            break;
+          }
+          raw += static_cast<char>(it->second);
+          p += len;
+        }
+        t->bytes_[i] = raw;
+        if (ignore_merges) t->whole_.emplace(raw, i);
+      }
+      id_of.emplace(s, i);
+    }
+    for (int b = 0; b < 256; ++b) {
+      auto it = id_of.find(ByteToUnicode()[b]);
+      if (it == id_of.end()) {
+        return DataLoss("tokenizer: byte-level BPE vocabulary lacks the token for byte " + std::to_string(b));
+      }
+      t->byte_token_[b] = it->second;
+    }
+    for (size_t r = 0; r < merges.size(); ++r) {
+      const std::string& m = merges[r];
+      const size_t sp = m.find(' ', 1);
+      if (sp == std::string::npos) return DataLoss("tokenizer: malformed merge #" + std::to_string(r));
+      const std::string a = m.substr(0, sp), b = m.substr(sp + 1);
+      auto ia = id_of.find(a), ib = id_of.find(b), im = id_of.find(a + b);
+      if (ia == id_of.end() || ib == id_of.end() || im == id_of.end()) continue;  // unusable merge
+      t->merge_.emplace(Key(ia->second, ib->second), std::make_pair(static_cast<int>(r), im->second));
+    }
+    t->SortSpecials();
+    t->bos_id_ = bos;
+    t->eos_id_ = eos;
+    t->add_bos_ = add_bos;
+    return std::unique_ptr<Tokenizer>(std::move(t));
+  }
+
+ private:
+  void EncodeOrdinary(std::string_view text, std::vector<int>& out, bool /*first*/) const override {
+    if (text.empty()) return;
+    std::vector<int> sym;
+    splitter_->Split(text, [&](std::string_view piece) {
+      if (ignore_merges_) {
+        auto it = whole_.find(std::string(piece));
+        if (it != whole_.end()) {
+          out.push_back(it->second);
+          return;
+        }
+      }
+      sym.clear();
+      for (char c : piece) sym.push_back(byte_token_[static_cast<unsigned char>(c)]);
+      MergePairs<int>(
+          sym,
+          [this](int a, int b, int* rank, int* merged) {
+            auto it = merge_.find(Key(a, b));
+            if (it == merge_.end()) return false;
+            *rank = it->second.first;
+            *merged = it->second.second;
+            return true;
+          },
+          out);
+    });
+  }
+
+  std::unique_ptr<Pcre2Splitter> splitter_;
+  int byte_token_[256] = {};
+  std::unordered_map<uint64_t, std::pair<int, int>> merge_;  // (a, b) -> (rank, merged id)
+  bool ignore_merges_ = false;
+  std::unordered_map<std::string, int> whole_;  // raw bytes -> id, for ignore_merges
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Tokenizer>> MakeByteBpeTokenizer(const std::vector<std::string>& tokens,
+                                                          const std::vector<int32_t>& types,
+                                                          const std::vector<std::string>& merges, int bos, int eos,
+                                                          bool add_bos, const std::string& pattern, bool ignore_merges,
+                                                          bool nfc) {
+  return ByteBpeTokenizer::Create(tokens, types, merges, bos, eos, add_bos, pattern, ignore_merges, nfc);
+}
+
+}  // namespace qkv
