@@ -197,6 +197,293 @@ void AddGenOptions(CLI::App* app, GenOpts& g) {
 
 }  // namespace
 
+// The session subcommands' arguments.
+struct SessionArgs {
+  enum Cmd { kCreate, kList, kShow, kFork, kTruncate, kClose } cmd;
+  std::string sid, child;
+  double ttl = 0;
+  int priority = 0, ntok = 0;
+  bool with_tokens = false;
+};
+
+int PlanCmd(const Common& c, const std::string& plan_config, const std::string& plan_memory,
+            const std::string& plan_dtype, int64_t plan_context) {
+  std::ifstream in(plan_config);
+  if (!in) {
+    std::fprintf(stderr, "qkvctl: cannot read --config '%s'\n", plan_config.c_str());
+    return 2;
+  }
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto mem = qkv::ParseByteSize(plan_memory);
+  if (!mem.ok() || (plan_dtype != "bf16" && plan_dtype != "f16" && plan_dtype != "f32")) {
+    std::fprintf(stderr, "qkvctl: --memory or --dtype is invalid\n");
+    return 2;
+  }
+  auto p = qkv::PlanCapacity(text, *mem, plan_context, plan_dtype == "f32" ? 4 : 2);
+  if (!p.ok()) {
+    std::fprintf(stderr, "qkvctl: %s\n", p.status().message().c_str());
+    return 2;
+  }
+  std::cout << (c.json_out ? p->ToJson() + "\n" : p->ToText());
+  return 0;
+}
+
+int GenerateCmd(const Common& c, pb::Inference::Stub& stub, const GenOpts& g) {
+  pb::GenerateRequest req;
+  if (!g.tokens.empty()) {
+    std::stringstream ss(g.tokens);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      try {
+        req.mutable_token_ids()->add_ids(std::stoi(item));
+      } catch (...) {
+        std::fprintf(stderr, "qkvctl: --tokens: '%s' is not a token id\n", item.c_str());
+        return 2;
+      }
+    }
+  } else {
+    req.set_text(g.prompt);
+  }
+  FillSampling(g, req);
+  return Stream(c, stub, req);
+}
+
+int ChatCmd(const Common& c, pb::Inference::Stub& stub, GenOpts chat_g, const std::string& system_prompt) {
+  bool own = chat_g.session.empty();
+  if (own) {
+    chat_g.session = RandomId("chat-");
+    grpc::ClientContext ctx;
+    Prepare(c, ctx, chat_g.session);
+    pb::CreateSessionRequest r;
+    r.set_session_id(chat_g.session);
+    pb::Session out;
+    if (int rc = Report(stub.CreateSession(&ctx, r, &out))) return rc;
+  }
+  std::fprintf(stderr, "session %s; type a message, Ctrl-D to end\n", chat_g.session.c_str());
+  std::string line;
+  bool first = true;
+  while (std::fprintf(stderr, "> "), std::getline(std::cin, line)) {
+    if (line.empty()) continue;
+    pb::GenerateRequest req;
+    if (first && !system_prompt.empty()) {
+      auto* m = req.mutable_messages()->add_messages();
+      m->set_role("system");
+      m->set_content(system_prompt);
+    }
+    auto* m = req.mutable_messages()->add_messages();
+    m->set_role("user");
+    m->set_content(line);
+    FillSampling(chat_g, req);
+    if (int rc = Stream(c, stub, req); rc != 0) return rc;
+    first = false;
+  }
+  if (own) {
+    grpc::ClientContext ctx;
+    Prepare(c, ctx, chat_g.session);
+    pb::CloseSessionRequest r;
+    r.set_session_id(chat_g.session);
+    pb::CloseSessionResponse out;
+    stub.CloseSession(&ctx, r, &out);
+  }
+  return 0;
+}
+
+int SessionCmd(const Common& c, pb::Inference::Stub& stub, const SessionArgs& a) {
+  std::string sid = a.sid;
+  const std::string& child = a.child;
+  const double ttl = a.ttl;
+  const int priority = a.priority, ntok = a.ntok;
+  const bool with_tokens = a.with_tokens;
+  grpc::ClientContext ctx;
+  pb::Session out;
+  if (a.cmd == SessionArgs::kCreate) {
+    if (sid.empty()) sid = RandomId("s-");
+    Prepare(c, ctx, sid);
+    pb::CreateSessionRequest r;
+    r.set_session_id(sid);
+    r.set_ttl_seconds(ttl);
+    r.set_priority(priority);
+    if (int rc = Report(stub.CreateSession(&ctx, r, &out))) return rc;
+    PrintSession(c, out);
+  } else if (a.cmd == SessionArgs::kList) {
+    Prepare(c, ctx);
+    pb::ListSessionsResponse resp;
+    if (int rc = Report(stub.ListSessions(&ctx, pb::ListSessionsRequest(), &resp))) return rc;
+    if (c.json_out) {
+      json arr = json::array();
+      for (const auto& s : resp.sessions()) arr.push_back(SessionJson(s));
+      std::cout << arr.dump() << "\n";
+    } else {
+      for (const auto& s : resp.sessions()) PrintSession(c, s);
+    }
+  } else if (a.cmd == SessionArgs::kShow) {
+    Prepare(c, ctx, sid);
+    pb::GetSessionRequest r;
+    r.set_session_id(sid);
+    r.set_include_token_ids(with_tokens);
+    if (int rc = Report(stub.GetSession(&ctx, r, &out))) return rc;
+    PrintSession(c, out);
+    if (with_tokens && !c.json_out) {
+      for (int t : out.token_ids()) std::printf("%d ", t);
+      std::printf("\n");
+    }
+  } else if (a.cmd == SessionArgs::kFork) {
+    Prepare(c, ctx, sid);
+    pb::ForkSessionRequest r;
+    r.set_session_id(sid);
+    r.set_child_session_id(child.empty() ? AffinityOf(sid) + "." + RandomId("") : child);
+    if (int rc = Report(stub.ForkSession(&ctx, r, &out))) return rc;
+    PrintSession(c, out);
+  } else if (a.cmd == SessionArgs::kTruncate) {
+    Prepare(c, ctx, sid);
+    pb::TruncateSessionRequest r;
+    r.set_session_id(sid);
+    r.set_num_tokens(ntok);
+    if (int rc = Report(stub.TruncateSession(&ctx, r, &out))) return rc;
+    PrintSession(c, out);
+  } else if (a.cmd == SessionArgs::kClose) {
+    Prepare(c, ctx, sid);
+    pb::CloseSessionRequest r;
+    r.set_session_id(sid);
+    pb::CloseSessionResponse resp;
+    if (int rc = Report(stub.CloseSession(&ctx, r, &resp))) return rc;
+    if (c.json_out)
+      std::cout << json{{"closed", sid}}.dump() << "\n";
+    else
+      std::printf("closed %s\n", sid.c_str());
+  }
+  return 0;
+}
+
+int TokenizeCmd(const Common& c, pb::Inference::Stub& stub, const std::string& text, bool parse_special) {
+  grpc::ClientContext ctx;
+  Prepare(c, ctx);
+  pb::TokenizeRequest r;
+  r.set_text(text);
+  r.set_parse_special(parse_special);
+  pb::TokenizeResponse resp;
+  if (int rc = Report(stub.Tokenize(&ctx, r, &resp))) return rc;
+  std::cout << json(std::vector<int>(resp.token_ids().begin(), resp.token_ids().end())).dump() << "\n";
+  return 0;
+}
+
+int InfoCmd(const Common& c, pb::Inference::Stub& stub) {
+  grpc::ClientContext ctx;
+  Prepare(c, ctx);
+  pb::ModelInfo m;
+  if (int rc = Report(stub.GetModelInfo(&ctx, pb::GetModelInfoRequest(), &m))) return rc;
+  json j = {{"architecture", m.architecture()},
+            {"name", m.name()},
+            {"hidden_size", m.hidden_size()},
+            {"num_layers", m.num_layers()},
+            {"num_heads", m.num_heads()},
+            {"num_kv_heads", m.num_kv_heads()},
+            {"head_dim", m.head_dim()},
+            {"attention", m.attention()},
+            {"vocab_size", m.vocab_size()},
+            {"kv_bytes_per_token", m.kv_bytes_per_token()},
+            {"context_length", m.context_length()},
+            {"kv_cache_tokens", m.kv_cache_tokens()},
+            {"kv_cache_bytes", m.kv_cache_bytes()},
+            {"block_size", m.block_size()},
+            {"weights_dtype", m.weights_dtype()},
+            {"kv_dtype", m.kv_dtype()},
+            {"cpu_isa", m.cpu_isa()},
+            {"compute_dtype", m.compute_dtype()},
+            {"gemm", m.gemm()},
+            {"instance_id", m.instance_id()},
+            {"chat_template", m.chat_template()}};
+  if (c.json_out) {
+    std::cout << j.dump() << "\n";
+  } else {
+    for (auto it = j.begin(); it != j.end(); ++it) std::cout << it.key() << ": " << it.value().dump() << "\n";
+  }
+  return 0;
+}
+
+int CancelCmd(const Common& c, pb::Inference::Stub& stub, const std::string& cancel_id) {
+  grpc::ClientContext ctx;
+  Prepare(c, ctx);
+  pb::CancelRequest r;
+  r.set_request_id(cancel_id);
+  pb::CancelResponse resp;
+  return Report(stub.Cancel(&ctx, r, &resp));
+}
+
+int StatsCmd(const Common& c, pb::Inference::Stub& stub, bool watch) {
+  for (;;) {
+    grpc::ClientContext ctx;
+    Prepare(c, ctx);
+    pb::GetStatsRequest r;
+    pb::Stats st;
+    if (int rc = Report(stub.GetStats(&ctx, r, &st))) return rc;
+    if (c.json_out) {
+      std::string js;
+      google::protobuf::util::JsonPrintOptions o;
+      o.always_print_primitive_fields = true;
+      o.preserve_proto_field_names = true;
+      (void)google::protobuf::util::MessageToJsonString(st, &js, o);
+      std::cout << js << "\n";
+    } else {
+      if (watch) std::cout << "\x1b[H\x1b[2J";
+      auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
+      std::printf("KV cache  %5.1f%% used: %lld used + %lld cached + %lld free of %lld blocks (%d tokens each)\n",
+                  100 * st.kv_cache_usage_ratio(), (long long)st.kv_blocks_used(), (long long)st.kv_blocks_cached(),
+                  (long long)st.kv_blocks_free(), (long long)st.kv_blocks_total(), st.kv_block_size_tokens());
+      std::printf("          %lld of %lld token slots hold tokens (%lld slack), %.1f of %.1f MiB\n",
+                  (long long)st.kv_tokens_used(), (long long)st.kv_tokens_capacity(),
+                  (long long)st.kv_cache_slack_tokens(), mib(st.kv_bytes_used()), mib(st.kv_bytes_capacity()));
+      std::printf("prefix    %llu of %llu looked-up prompt tokens hit\n",
+                  (unsigned long long)st.prefix_cache_hits_tokens_total(),
+                  (unsigned long long)st.prefix_cache_queries_tokens_total());
+      std::printf("sessions  %lld resident, %lld evicted, %.1f MiB of KV; evictions memory %llu ttl %llu closed %llu\n",
+                  (long long)st.sessions_resident(), (long long)st.sessions_evicted(), mib(st.session_kv_bytes()),
+                  (unsigned long long)st.session_evictions_memory_total(),
+                  (unsigned long long)st.session_evictions_ttl_total(),
+                  (unsigned long long)st.session_evictions_closed_total());
+      std::printf(
+          "requests  %lld running, %lld waiting; finished stop %llu length %llu cancelled %llu error %llu; "
+          "preemptions %llu\n",
+          (long long)st.requests_running(), (long long)st.requests_waiting(),
+          (unsigned long long)st.requests_finished_stop_total(),
+          (unsigned long long)st.requests_finished_length_total(),
+          (unsigned long long)st.requests_finished_cancelled_total(),
+          (unsigned long long)st.requests_finished_error_total(), (unsigned long long)st.preemptions_total());
+      std::printf("tokens    prompt %llu (cached %llu), generated %llu\n", (unsigned long long)st.prompt_tokens_total(),
+                  (unsigned long long)st.cached_prompt_tokens_total(), (unsigned long long)st.generated_tokens_total());
+      std::printf("memory    RSS %.1f MiB = weights %.1f + kv arena %.1f + scratch %.1f + heap %.1f + other %.1f\n",
+                  mib(st.resident_memory_bytes()), mib(st.memory_weights_bytes()), mib(st.memory_kv_arena_bytes()),
+                  mib(st.memory_scratch_bytes()), mib(st.memory_heap_bytes()), mib(st.memory_other_bytes()));
+      if (st.top_sessions_size()) std::printf("your sessions by resident bytes:\n");
+      for (const auto& u : st.top_sessions()) {
+        std::printf("  %-24s %-8s %8lld B %6lld blocks %7d tokens\n", u.session_id().c_str(), u.state().c_str(),
+                    (long long)u.resident_bytes(), (long long)u.resident_blocks(), u.num_tokens());
+      }
+    }
+    if (!watch) return 0;
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  return 0;
+}
+
+int HealthCmd(const Common& c, const std::shared_ptr<grpc::Channel>& channel, const std::string& health_service) {
+  auto hs = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  Prepare(c, ctx);
+  if (c.timeout_s <= 0) ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest r;
+  r.set_service(health_service);
+  grpc::health::v1::HealthCheckResponse resp;
+  if (int rc = Report(hs->Check(&ctx, r, &resp))) return rc;
+  const char* name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str();
+  if (c.json_out)
+    std::cout << json{{"service", health_service}, {"status", name}}.dump() << "\n";
+  else
+    std::printf("%s\n", name);
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"qkvctl: command-line client for qkvserve"};
   app.require_subcommand(1);
@@ -277,272 +564,24 @@ int main(int argc, char** argv) {
   plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16 or f32")->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
-  if (plan->parsed()) {
-    std::ifstream in(plan_config);
-    if (!in) {
-      std::fprintf(stderr, "qkvctl: cannot read --config '%s'\n", plan_config.c_str());
-      return 2;
-    }
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    auto mem = qkv::ParseByteSize(plan_memory);
-    if (!mem.ok() || (plan_dtype != "bf16" && plan_dtype != "f16" && plan_dtype != "f32")) {
-      std::fprintf(stderr, "qkvctl: --memory or --dtype is invalid\n");
-      return 2;
-    }
-    auto p = qkv::PlanCapacity(text, *mem, plan_context, plan_dtype == "f32" ? 4 : 2);
-    if (!p.ok()) {
-      std::fprintf(stderr, "qkvctl: %s\n", p.status().message().c_str());
-      return 2;
-    }
-    std::cout << (c.json_out ? p->ToJson() + "\n" : p->ToText());
-    return 0;
-  }
+  if (plan->parsed()) return PlanCmd(c, plan_config, plan_memory, plan_dtype, plan_context);
   auto channel = Connect(c);
   auto stub = pb::Inference::NewStub(channel);
-
-  if (gen->parsed()) {
-    pb::GenerateRequest req;
-    if (!g.tokens.empty()) {
-      std::stringstream ss(g.tokens);
-      std::string item;
-      while (std::getline(ss, item, ',')) {
-        try {
-          req.mutable_token_ids()->add_ids(std::stoi(item));
-        } catch (...) {
-          std::fprintf(stderr, "qkvctl: --tokens: '%s' is not a token id\n", item.c_str());
-          return 2;
-        }
-      }
-    } else {
-      req.set_text(g.prompt);
-    }
-    FillSampling(g, req);
-    return Stream(c, *stub, req);
-  }
-  if (chat->parsed()) {
-    bool own = chat_g.session.empty();
-    if (own) {
-      chat_g.session = RandomId("chat-");
-      grpc::ClientContext ctx;
-      Prepare(c, ctx, chat_g.session);
-      pb::CreateSessionRequest r;
-      r.set_session_id(chat_g.session);
-      pb::Session out;
-      if (int rc = Report(stub->CreateSession(&ctx, r, &out))) return rc;
-    }
-    std::fprintf(stderr, "session %s; type a message, Ctrl-D to end\n", chat_g.session.c_str());
-    std::string line;
-    bool first = true;
-    while (std::fprintf(stderr, "> "), std::getline(std::cin, line)) {
-      if (line.empty()) continue;
-      pb::GenerateRequest req;
-      if (first && !system_prompt.empty()) {
-        auto* m = req.mutable_messages()->add_messages();
-        m->set_role("system");
-        m->set_content(system_prompt);
-      }
-      auto* m = req.mutable_messages()->add_messages();
-      m->set_role("user");
-      m->set_content(line);
-      FillSampling(chat_g, req);
-      if (int rc = Stream(c, *stub, req); rc != 0) return rc;
-      first = false;
-    }
-    if (own) {
-      grpc::ClientContext ctx;
-      Prepare(c, ctx, chat_g.session);
-      pb::CloseSessionRequest r;
-      r.set_session_id(chat_g.session);
-      pb::CloseSessionResponse out;
-      stub->CloseSession(&ctx, r, &out);
-    }
-    return 0;
-  }
+  if (gen->parsed()) return GenerateCmd(c, *stub, g);
+  if (chat->parsed()) return ChatCmd(c, *stub, chat_g, system_prompt);
   if (sess->parsed()) {
-    grpc::ClientContext ctx;
-    pb::Session out;
-    if (s_create->parsed()) {
-      if (sid.empty()) sid = RandomId("s-");
-      Prepare(c, ctx, sid);
-      pb::CreateSessionRequest r;
-      r.set_session_id(sid);
-      r.set_ttl_seconds(ttl);
-      r.set_priority(priority);
-      if (int rc = Report(stub->CreateSession(&ctx, r, &out))) return rc;
-      PrintSession(c, out);
-    } else if (s_list->parsed()) {
-      Prepare(c, ctx);
-      pb::ListSessionsResponse resp;
-      if (int rc = Report(stub->ListSessions(&ctx, pb::ListSessionsRequest(), &resp))) return rc;
-      if (c.json_out) {
-        json arr = json::array();
-        for (const auto& s : resp.sessions()) arr.push_back(SessionJson(s));
-        std::cout << arr.dump() << "\n";
-      } else {
-        for (const auto& s : resp.sessions()) PrintSession(c, s);
-      }
-    } else if (s_show->parsed()) {
-      Prepare(c, ctx, sid);
-      pb::GetSessionRequest r;
-      r.set_session_id(sid);
-      r.set_include_token_ids(with_tokens);
-      if (int rc = Report(stub->GetSession(&ctx, r, &out))) return rc;
-      PrintSession(c, out);
-      if (with_tokens && !c.json_out) {
-        for (int t : out.token_ids()) std::printf("%d ", t);
-        std::printf("\n");
-      }
-    } else if (s_fork->parsed()) {
-      Prepare(c, ctx, sid);
-      pb::ForkSessionRequest r;
-      r.set_session_id(sid);
-      r.set_child_session_id(child.empty() ? AffinityOf(sid) + "." + RandomId("") : child);
-      if (int rc = Report(stub->ForkSession(&ctx, r, &out))) return rc;
-      PrintSession(c, out);
-    } else if (s_trunc->parsed()) {
-      Prepare(c, ctx, sid);
-      pb::TruncateSessionRequest r;
-      r.set_session_id(sid);
-      r.set_num_tokens(ntok);
-      if (int rc = Report(stub->TruncateSession(&ctx, r, &out))) return rc;
-      PrintSession(c, out);
-    } else if (s_close->parsed()) {
-      Prepare(c, ctx, sid);
-      pb::CloseSessionRequest r;
-      r.set_session_id(sid);
-      pb::CloseSessionResponse resp;
-      if (int rc = Report(stub->CloseSession(&ctx, r, &resp))) return rc;
-      if (c.json_out)
-        std::cout << json{{"closed", sid}}.dump() << "\n";
-      else
-        std::printf("closed %s\n", sid.c_str());
-    }
-    return 0;
+    SessionArgs sa{SessionArgs::kClose, sid, child, ttl, priority, ntok, with_tokens};
+    if (s_create->parsed()) sa.cmd = SessionArgs::kCreate;
+    if (s_list->parsed()) sa.cmd = SessionArgs::kList;
+    if (s_show->parsed()) sa.cmd = SessionArgs::kShow;
+    if (s_fork->parsed()) sa.cmd = SessionArgs::kFork;
+    if (s_trunc->parsed()) sa.cmd = SessionArgs::kTruncate;
+    return SessionCmd(c, *stub, sa);
   }
-  if (tok->parsed()) {
-    grpc::ClientContext ctx;
-    Prepare(c, ctx);
-    pb::TokenizeRequest r;
-    r.set_text(text);
-    r.set_parse_special(parse_special);
-    pb::TokenizeResponse resp;
-    if (int rc = Report(stub->Tokenize(&ctx, r, &resp))) return rc;
-    std::cout << json(std::vector<int>(resp.token_ids().begin(), resp.token_ids().end())).dump() << "\n";
-    return 0;
-  }
-  if (info->parsed()) {
-    grpc::ClientContext ctx;
-    Prepare(c, ctx);
-    pb::ModelInfo m;
-    if (int rc = Report(stub->GetModelInfo(&ctx, pb::GetModelInfoRequest(), &m))) return rc;
-    json j = {{"architecture", m.architecture()},
-              {"name", m.name()},
-              {"hidden_size", m.hidden_size()},
-              {"num_layers", m.num_layers()},
-              {"num_heads", m.num_heads()},
-              {"num_kv_heads", m.num_kv_heads()},
-              {"head_dim", m.head_dim()},
-              {"attention", m.attention()},
-              {"vocab_size", m.vocab_size()},
-              {"kv_bytes_per_token", m.kv_bytes_per_token()},
-              {"context_length", m.context_length()},
-              {"kv_cache_tokens", m.kv_cache_tokens()},
-              {"kv_cache_bytes", m.kv_cache_bytes()},
-              {"block_size", m.block_size()},
-              {"weights_dtype", m.weights_dtype()},
-              {"kv_dtype", m.kv_dtype()},
-              {"cpu_isa", m.cpu_isa()},
-              {"compute_dtype", m.compute_dtype()},
-              {"gemm", m.gemm()},
-              {"instance_id", m.instance_id()},
-              {"chat_template", m.chat_template()}};
-    if (c.json_out) {
-      std::cout << j.dump() << "\n";
-    } else {
-      for (auto it = j.begin(); it != j.end(); ++it) std::cout << it.key() << ": " << it.value().dump() << "\n";
-    }
-    return 0;
-  }
-  if (cancel->parsed()) {
-    grpc::ClientContext ctx;
-    Prepare(c, ctx);
-    pb::CancelRequest r;
-    r.set_request_id(cancel_id);
-    pb::CancelResponse resp;
-    return Report(stub->Cancel(&ctx, r, &resp));
-  }
-  if (stats->parsed()) {
-    for (;;) {
-      grpc::ClientContext ctx;
-      Prepare(c, ctx);
-      pb::GetStatsRequest r;
-      pb::Stats st;
-      if (int rc = Report(stub->GetStats(&ctx, r, &st))) return rc;
-      if (c.json_out) {
-        std::string js;
-        google::protobuf::util::JsonPrintOptions o;
-        o.always_print_primitive_fields = true;
-        o.preserve_proto_field_names = true;
-        (void)google::protobuf::util::MessageToJsonString(st, &js, o);
-        std::cout << js << "\n";
-      } else {
-        if (watch) std::cout << "\x1b[H\x1b[2J";
-        auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
-        std::printf("KV cache  %5.1f%% used: %lld used + %lld cached + %lld free of %lld blocks (%d tokens each)\n",
-                    100 * st.kv_cache_usage_ratio(), (long long)st.kv_blocks_used(), (long long)st.kv_blocks_cached(),
-                    (long long)st.kv_blocks_free(), (long long)st.kv_blocks_total(), st.kv_block_size_tokens());
-        std::printf("          %lld of %lld token slots hold tokens (%lld slack), %.1f of %.1f MiB\n",
-                    (long long)st.kv_tokens_used(), (long long)st.kv_tokens_capacity(),
-                    (long long)st.kv_cache_slack_tokens(), mib(st.kv_bytes_used()), mib(st.kv_bytes_capacity()));
-        std::printf("prefix    %llu of %llu looked-up prompt tokens hit\n",
-                    (unsigned long long)st.prefix_cache_hits_tokens_total(),
-                    (unsigned long long)st.prefix_cache_queries_tokens_total());
-        std::printf(
-            "sessions  %lld resident, %lld evicted, %.1f MiB of KV; evictions memory %llu ttl %llu closed %llu\n",
-            (long long)st.sessions_resident(), (long long)st.sessions_evicted(), mib(st.session_kv_bytes()),
-            (unsigned long long)st.session_evictions_memory_total(),
-            (unsigned long long)st.session_evictions_ttl_total(),
-            (unsigned long long)st.session_evictions_closed_total());
-        std::printf(
-            "requests  %lld running, %lld waiting; finished stop %llu length %llu cancelled %llu error %llu; "
-            "preemptions %llu\n",
-            (long long)st.requests_running(), (long long)st.requests_waiting(),
-            (unsigned long long)st.requests_finished_stop_total(),
-            (unsigned long long)st.requests_finished_length_total(),
-            (unsigned long long)st.requests_finished_cancelled_total(),
-            (unsigned long long)st.requests_finished_error_total(), (unsigned long long)st.preemptions_total());
-        std::printf("tokens    prompt %llu (cached %llu), generated %llu\n",
-                    (unsigned long long)st.prompt_tokens_total(), (unsigned long long)st.cached_prompt_tokens_total(),
-                    (unsigned long long)st.generated_tokens_total());
-        std::printf("memory    RSS %.1f MiB = weights %.1f + kv arena %.1f + scratch %.1f + heap %.1f + other %.1f\n",
-                    mib(st.resident_memory_bytes()), mib(st.memory_weights_bytes()), mib(st.memory_kv_arena_bytes()),
-                    mib(st.memory_scratch_bytes()), mib(st.memory_heap_bytes()), mib(st.memory_other_bytes()));
-        if (st.top_sessions_size()) std::printf("your sessions by resident bytes:\n");
-        for (const auto& u : st.top_sessions()) {
-          std::printf("  %-24s %-8s %8lld B %6lld blocks %7d tokens\n", u.session_id().c_str(), u.state().c_str(),
-                      (long long)u.resident_bytes(), (long long)u.resident_blocks(), u.num_tokens());
-        }
-      }
-      if (!watch) return 0;
-      std::fflush(stdout);
-      std::this_thread::sleep_for(std::chrono::seconds(1));
-    }
-  }
-  if (health->parsed()) {
-    auto hs = grpc::health::v1::Health::NewStub(channel);
-    grpc::ClientContext ctx;
-    Prepare(c, ctx);
-    if (c.timeout_s <= 0) ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    grpc::health::v1::HealthCheckRequest r;
-    r.set_service(health_service);
-    grpc::health::v1::HealthCheckResponse resp;
-    if (int rc = Report(hs->Check(&ctx, r, &resp))) return rc;
-    const char* name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str();
-    if (c.json_out)
-      std::cout << json{{"service", health_service}, {"status", name}}.dump() << "\n";
-    else
-      std::printf("%s\n", name);
-    return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
-  }
+  if (tok->parsed()) return TokenizeCmd(c, *stub, text, parse_special);
+  if (info->parsed()) return InfoCmd(c, *stub);
+  if (cancel->parsed()) return CancelCmd(c, *stub, cancel_id);
+  if (stats->parsed()) return StatsCmd(c, *stub, watch);
+  if (health->parsed()) return HealthCmd(c, channel, health_service);
   return 0;
 }

@@ -209,12 +209,12 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
                            " (--priority-range or the key file)");
   }
   const uint32_t ns_id = scheduler_.pool().Namespace(p.ns);
+  if (static_cast<int>(scheduler_.n_waiting()) >= opt_.max_waiting) {
+    return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
+  }
   if (scheduler_.n_waiting(ns_id) >= quota.max_waiting) {
     return ResourceExhausted("this key has " + std::to_string(quota.max_waiting) +
                              " requests waiting, its limit (--max-waiting-per-key or the key file)");
-  }
-  if (static_cast<int>(scheduler_.n_waiting()) >= opt_.max_waiting) {
-    return ResourceExhausted("the request queue is full (" + std::to_string(opt_.max_waiting) + " waiting)");
   }
   Session* session = nullptr;
   if (!p.session_id.empty()) {
