@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <future>
+#include <new>
 #include <type_traits>
 
 #include "engine/request_limits.h"
@@ -39,7 +42,22 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
 Engine::Engine(Model& model, const EngineOptions& opt)
     : model_(model),
       opt_(opt),
-      scheduler_(model.kv(), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {}
+      scheduler_(model.kv(), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {
+  // Fault injection for the reliability tests (docs/server.md): QKV_FAULT_INJECT=throw_on_step=N makes
+  // forward step N throw (as an allocation failure would); stall_on_step=N:SECONDS makes it hang that long.
+  if (const char* f = std::getenv("QKV_FAULT_INJECT"); f && *f) {
+    const std::string spec(f);
+    int n = 0;
+    double secs = 0;
+    if (std::sscanf(spec.c_str(), "throw_on_step=%d", &n) == 1) {
+      fault_throw_step_ = n;
+    } else if (std::sscanf(spec.c_str(), "stall_on_step=%d:%lf", &n, &secs) == 2) {
+      fault_stall_step_ = n;
+      fault_stall_s_ = secs;
+    }
+    spdlog::warn("QKV_FAULT_INJECT={}: fault injection is on (tests only)", spec);
+  }
+}
 
 Engine::~Engine() {
   Shutdown();
@@ -401,6 +419,10 @@ void Engine::Step() {
   }
   if (plan.empty()) return;
   ++counters_.steps;
+  if (static_cast<int64_t>(counters_.steps) == fault_throw_step_) throw std::bad_alloc();
+  if (static_cast<int64_t>(counters_.steps) == fault_stall_step_) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(fault_stall_s_));
+  }
   const auto step_start = Clock::now();
   counters_.batch_tokens.Observe(plan.n_tokens);
 

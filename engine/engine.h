@@ -227,7 +227,9 @@ class Engine {
   std::vector<int> step_starts_, stats_filled_;
 
   Clock::time_point next_publish_{};
-  std::atomic<int64_t> progress_ns_{0};  // steady-clock time of the last finished loop iteration
+  std::atomic<int64_t> progress_ns_{0};                    // steady-clock time of the last finished loop iteration
+  int64_t fault_throw_step_ = -1, fault_stall_step_ = -1;  // QKV_FAULT_INJECT (tests)
+  double fault_stall_s_ = 0;
   mutable std::mutex stats_mu_;
   EngineStats published_;
 };

@@ -48,7 +48,7 @@ def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3):
 class Server:
     """A qkvserve process on 127.0.0.1 with free ports, ready when its ready file appears."""
 
-    def __init__(self, *args, model=None):
+    def __init__(self, *args, model=None, env=None):
         self.ready_path = tempfile.mktemp(prefix="ready", dir=TMP)
         self.log_path = self.ready_path + ".log"
         # model="" starts the server without --model (its default resolution).
@@ -57,7 +57,7 @@ class Server:
         defaults += [] if "--kv-cache-bytes" in args else ["--kv-cache-bytes", "8MiB"]
         cmd = [os.path.join(BIN, "qkvserve"), *model_args, "--listen", "127.0.0.1:0",
                "--metrics-listen", "127.0.0.1:0", "--ready-file", self.ready_path, *defaults, *args]
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **(env or {}))
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 60

@@ -162,6 +162,48 @@ class QuotaTest(unittest.TestCase):
         self.assertIn("line 1", r.stderr)
 
 
+class EngineFaultTest(unittest.TestCase):
+    """Observations 6 and 8, with the engine's fault injection (QKV_FAULT_INJECT)."""
+
+    def test_exception_on_the_engine_thread_fails_the_step_not_the_process(self):
+        s = Server("--threads", "1", env={"QKV_FAULT_INJECT": "throw_on_step=3"})
+        try:
+            failed = 0
+            for i in range(4):
+                try:
+                    s.stub.Complete(greedy(text=f"try {i}", max_tokens=4, ignore_eos=True))
+                except grpc.RpcError as e:
+                    self.assertEqual(e.code(), grpc.StatusCode.INTERNAL)
+                    self.assertIn("engine step failed", e.details())
+                    failed += 1
+            self.assertEqual(failed, 1)
+            self.assertIsNone(s.proc.poll())
+            self.assertEqual(len(s.stub.Complete(greedy(text="after", max_tokens=3, ignore_eos=True)).token_ids), 3)
+        finally:
+            s.stop()
+
+    def test_liveness_follows_the_engine_thread(self):
+        import time
+        from harness import health_pb2
+        s = Server("--threads", "1", "--liveness-timeout-seconds", "1",
+                   env={"QKV_FAULT_INJECT": "stall_on_step=3:6"})
+        try:
+            live = lambda: s.health.Check(health_pb2.HealthCheckRequest(service="")).status  # noqa: E731
+            self.assertEqual(live(), health_pb2.HealthCheckResponse.SERVING)
+            fut = s.stub.Complete.future(greedy(text="stall", max_tokens=4, ignore_eos=True))
+            seen = set()
+            deadline = time.time() + 20
+            while time.time() < deadline and not (health_pb2.HealthCheckResponse.NOT_SERVING in seen and fut.done()):
+                seen.add(live())
+                time.sleep(0.1)
+            self.assertIn(health_pb2.HealthCheckResponse.NOT_SERVING, seen, "a stalled engine thread is not live")
+            self.assertEqual(len(fut.result().token_ids), 4)
+            time.sleep(0.6)
+            self.assertEqual(live(), health_pb2.HealthCheckResponse.SERVING, "live again once it progresses")
+        finally:
+            s.stop()
+
+
 class ProcessLifeTest(unittest.TestCase):
     """Observation 7: SIGTERM during load was ignored until loading ended; a second SIGTERM did nothing."""
 
