@@ -99,6 +99,73 @@ class SignalWatcher {
   int sig_ = 0;
 };
 
+// One tiny request through the whole path before readiness.
+void Warmup(qkv::Engine& engine) {
+  qkv::GenerateParams p;
+  p.ns = "\x01warmup";
+  p.prompt = {0};
+  p.max_tokens = 1;
+  auto st = engine.Submit(p);
+  qkv::StreamEvent e;
+  while (st.ok() && (*st)->Next(&e, std::chrono::seconds(120)) && !e.final) {
+  }
+}
+
+// {"grpc": ADDR, "metrics": ADDR, "pid": N, "instance_id": ID}, written whole (rename) so readers never see
+// half a file.
+void WriteReadyFile(const std::string& path, const std::string& grpc_addr, const std::string& metrics_addr,
+                    const std::string& instance_id) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << nlohmann::json{{"grpc", grpc_addr},
+                                       {"metrics", metrics_addr},
+                                       {"pid", getpid()},
+                                       {"instance_id", instance_id}}
+                            .dump()
+                     << "\n";
+  std::filesystem::rename(tmp, path);
+}
+
+// Liveness (health service "") follows the engine thread: NOT_SERVING while it has not finished a loop
+// iteration (it wakes at least every 250 ms) for timeout_s, SERVING again once it does.
+class LivenessWatchdog {
+ public:
+  LivenessWatchdog(const qkv::Engine& engine, grpc::HealthCheckServiceInterface& health, double timeout_s)
+      : thread_([this, &engine, &health, timeout_s] {
+          bool live = true;
+          while (running_.load()) {
+            const bool now_live = engine.SecondsSinceProgress() < timeout_s;
+            if (now_live != live) {
+              live = now_live;
+              health.SetServingStatus("", live);
+              if (live) {
+                spdlog::warn("engine thread progressing again: liveness SERVING");
+              } else {
+                spdlog::error("engine thread made no progress for {} s: liveness NOT_SERVING", timeout_s);
+              }
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          }
+        }) {}
+  ~LivenessWatchdog() {
+    running_.store(false);
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> running_{true};
+  std::thread thread_;
+};
+
+// The drain: waits until nothing runs or waits, at most grace_s.
+void WaitForIdle(const qkv::Engine& engine, double grace_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto s = engine.Stats();
+    if (s.requests_running == 0 && s.requests_waiting == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
 std::string ReadFile(const std::string& path, bool* ok) {
   std::ifstream in(path);
   *ok = static_cast<bool>(in);
@@ -318,66 +385,23 @@ int main(int argc, char** argv) {
   auto metrics = qkv::server::MetricsServer::Start(metrics_listen, **engine, so.model_name);
   if (!metrics.ok()) return Fail(metrics.status().message());
 
-  // Warm-up: one tiny request through the whole path before readiness.
-  {
-    qkv::GenerateParams p;
-    p.ns = "\x01warmup";
-    p.prompt = {0};
-    p.max_tokens = 1;
-    auto st = (*engine)->Submit(p);
-    qkv::StreamEvent e;
-    while (st.ok() && (*st)->Next(&e, std::chrono::seconds(120)) && !e.final) {
-    }
-  }
+  Warmup(**engine);
   health->SetServingStatus(kService, true);
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string grpc_addr = host + ":" + std::to_string(port);
   const std::string metrics_addr =
       metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" + std::to_string((*metrics)->port());
   spdlog::info("ready: gRPC on {}, metrics on http://{}/metrics, instance {}", grpc_addr, metrics_addr, instance_id);
-  if (!ready_file.empty()) {
-    const std::string tmp = ready_file + ".tmp";
-    std::ofstream(tmp) << nlohmann::json{{"grpc", grpc_addr},
-                                         {"metrics", metrics_addr},
-                                         {"pid", getpid()},
-                                         {"instance_id", instance_id}}
-                              .dump()
-                       << "\n";
-    std::filesystem::rename(tmp, ready_file);
-  }
+  if (!ready_file.empty()) WriteReadyFile(ready_file, grpc_addr, metrics_addr, instance_id);
 
   signals.SetServing();
-  // Liveness follows the engine thread: NOT_SERVING while it has not finished a loop iteration (it wakes at
-  // least every 250 ms) for --liveness-timeout-seconds, SERVING again once it does.
-  std::atomic<bool> watching{true};
-  std::thread watchdog([&] {
-    bool live = true;
-    while (watching.load()) {
-      const bool now_live = (*engine)->SecondsSinceProgress() < liveness_timeout;
-      if (now_live != live) {
-        live = now_live;
-        health->SetServingStatus("", live);
-        if (live) {
-          spdlog::warn("engine thread progressing again: liveness SERVING");
-        } else {
-          spdlog::error("engine thread made no progress for {} s: liveness NOT_SERVING", liveness_timeout);
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  });
+  auto watchdog = std::make_unique<LivenessWatchdog>(**engine, *health, liveness_timeout);
   const int sig = signals.WaitForDrain();
   spdlog::info("signal {}: draining (readiness NOT_SERVING, new requests refused, {} s grace)", sig, drain_grace);
   service.StartDraining();
   health->SetServingStatus(kService, false);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(drain_grace);
-  while (std::chrono::steady_clock::now() < deadline) {
-    const auto s = (*engine)->Stats();
-    if (s.requests_running == 0 && s.requests_waiting == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  watching.store(false);
-  watchdog.join();
+  WaitForIdle(**engine, drain_grace);
+  watchdog.reset();
   (*engine)->Shutdown();  // cancels whatever is still running
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
