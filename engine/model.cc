@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -43,11 +44,14 @@ int64_t MemAvailableBytes() {
     }
   }
   constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
-  int64_t limit = ReadInt64File("/sys/fs/cgroup/memory.max", kNone);
-  int64_t used = ReadInt64File("/sys/fs/cgroup/memory.current", 0);
+  // QKV_CGROUP_ROOT replaces /sys/fs/cgroup (tests give a directory holding the files).
+  const char* root_env = std::getenv("QKV_CGROUP_ROOT");
+  const std::string root = root_env && *root_env ? root_env : "/sys/fs/cgroup";
+  int64_t limit = ReadInt64File((root + "/memory.max").c_str(), kNone);
+  int64_t used = ReadInt64File((root + "/memory.current").c_str(), 0);
   if (limit == kNone) {
-    limit = ReadInt64File("/sys/fs/cgroup/memory/memory.limit_in_bytes", kNone);
-    used = ReadInt64File("/sys/fs/cgroup/memory/memory.usage_in_bytes", 0);
+    limit = ReadInt64File((root + "/memory/memory.limit_in_bytes").c_str(), kNone);
+    used = ReadInt64File((root + "/memory/memory.usage_in_bytes").c_str(), 0);
     if (limit >= (int64_t{1} << 60)) limit = kNone;  // v1 reports "no limit" as a huge number
   }
   if (limit != kNone) avail = std::min(avail, std::max<int64_t>(limit - used, 0));

@@ -163,7 +163,36 @@ class QuotaTest(unittest.TestCase):
 
 
 class EngineFaultTest(unittest.TestCase):
-    """Observations 6 and 8, with the engine's fault injection (QKV_FAULT_INJECT)."""
+    """Observations 5, 6 and 8: non-finite logits, exceptions on the engine thread (with the engine's fault
+    injection, QKV_FAULT_INJECT) and liveness."""
+
+    def test_non_finite_logits_end_the_request_with_internal(self):
+        import os
+        import shutil
+        import struct
+        import sys
+        from harness import TMP, make_model
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reference"))
+        from gguf_ref import Gguf
+        # A final norm of 1e38 (finite, so the loader accepts it) makes every logit overflow to +-inf.
+        path = os.path.join(TMP, "overflow.gguf")
+        shutil.copy(make_model(), path)
+        g = Gguf(path)
+        ne, ttype, off = g.tensors["output_norm.weight"]
+        self.assertEqual(ttype, 0)
+        with open(path, "r+b") as f:
+            f.seek(g.data + off)
+            f.write(struct.pack("<%df" % ne[0], *([1e38] * ne[0])))
+        s = Server("--threads", "1", "--weights-dtype", "f32", model=path)
+        try:
+            for _ in range(2):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    s.stub.Complete(greedy(text="overflow", max_tokens=4))
+                self.assertEqual(cm.exception.code(), grpc.StatusCode.INTERNAL)
+                self.assertIn("non-finite logits", cm.exception.details())
+            self.assertTrue(s.stub.Tokenize(pb.TokenizeRequest(text="still serving")).token_ids)
+        finally:
+            s.stop()
 
     def test_exception_on_the_engine_thread_fails_the_step_not_the_process(self):
         s = Server("--threads", "1", env={"QKV_FAULT_INJECT": "throw_on_step=3"})
@@ -205,7 +234,74 @@ class EngineFaultTest(unittest.TestCase):
 
 
 class ProcessLifeTest(unittest.TestCase):
-    """Observation 7: SIGTERM during load was ignored until loading ended; a second SIGTERM did nothing."""
+    """Observation 7: SIGTERM during load was ignored until loading ended; a second SIGTERM did nothing; the
+    engine was destroyed before the metrics exposer that reads it. Observation 9: the automatic KV budget
+    ignored a container's memory limit."""
+
+    def test_scrapes_during_shutdown_do_not_crash_it(self):
+        import threading
+        import urllib.request
+        for _ in range(3):
+            s = Server("--threads", "1", "--drain-grace-seconds", "1")
+            stop = threading.Event()
+
+            def scrape():
+                while not stop.is_set():
+                    try:
+                        urllib.request.urlopen(f"http://{s.metrics_addr}/metrics", timeout=2).read()
+                    except Exception:
+                        pass
+
+            threads = [threading.Thread(target=scrape) for _ in range(3)]
+            for t in threads:
+                t.start()
+            try:
+                self.assertEqual(s.stop(), 0, "exit status while /metrics was being scraped")
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join()
+
+    def test_kv_budget_follows_the_cgroup_limit(self):
+        import os
+        import re
+        import subprocess
+        import tempfile
+        from harness import BIN, make_model
+
+        def arena_mib(env):
+            d = tempfile.mkdtemp()
+            ready = os.path.join(d, "ready")
+            p = subprocess.Popen([os.path.join(BIN, "qkvserve"), "--model", make_model(), "--listen", "127.0.0.1:0",
+                                  "--metrics-listen", "127.0.0.1:0", "--threads", "1", "--ready-file", ready],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env=dict(os.environ, **env))
+            import time
+            deadline = time.time() + 60
+            while not os.path.exists(ready) and time.time() < deadline and p.poll() is None:
+                time.sleep(0.05)
+            p.send_signal(__import__("signal").SIGTERM)
+            out = p.communicate(timeout=60)[0]
+            m = re.search(r"kv cache: .* ([0-9.]+) MiB", out)
+            self.assertIsNotNone(m, out)
+            return float(m.group(1))
+
+        host = arena_mib({})
+        cg = tempfile.mkdtemp()
+        with open(os.path.join(cg, "memory.max"), "w") as f:
+            f.write(str(60 << 20))
+        with open(os.path.join(cg, "memory.current"), "w") as f:
+            f.write(str(20 << 20))
+        limited = arena_mib({"QKV_CGROUP_ROOT": cg})
+        # 40 MiB left under the limit: a quarter of it (after the tiny model's weights) is about 10 MiB.
+        self.assertLess(limited, 10.5)
+        self.assertGreater(host, limited)
+        os.makedirs(os.path.join(cg, "v1", "memory"))
+        with open(os.path.join(cg, "v1", "memory", "memory.limit_in_bytes"), "w") as f:
+            f.write(str(60 << 20))
+        with open(os.path.join(cg, "v1", "memory", "memory.usage_in_bytes"), "w") as f:
+            f.write(str(20 << 20))
+        self.assertLess(arena_mib({"QKV_CGROUP_ROOT": os.path.join(cg, "v1")}), 10.5)
 
     def test_sigterm_while_starting_exits_at_once(self):
         import os
