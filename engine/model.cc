@@ -139,7 +139,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   m->gu_.assign(R * 2 * c.ffn, 0);
   m->act_.assign(R * c.ffn, 0);
   m->logits_.assign(R * c.vocab, 0);
-  if (opt.weights_dtype == DType::kBF16) m->in_lp_.assign(R * std::max({c.hidden, c.q_dim(), c.ffn}), 0);
+  // Only layers on oneDNN's bf16 GEMM take bf16 input; the packed GEMM reads the f32 activations.
+  if (m->compute_dtype() == DType::kBF16) m->in_lp_.assign(R * std::max({c.hidden, c.q_dim(), c.ffn}), 0);
   const int group = c.n_heads / c.n_kv_heads;
   m->attn_scratch_stride_ = AttentionScratchFloats(group, m->max_ctx_, c.head_dim, opt.block_size) + 16;
   m->attn_scratch_.assign(m->attn_scratch_stride_ * opt.n_threads, 0);
@@ -206,7 +207,7 @@ CacheSpec Model::cache_spec() const {
   return total;
 }
 
-DType Model::compute_dtype() const { return lm_head_->input_dtype(); }
+DType Model::compute_dtype() const { return rt_->any_bf16_input() ? DType::kBF16 : DType::kF32; }
 
 Status Model::CheckChunk(const BatchChunk& ch) const {
   if (!ch.seq || ch.tokens.empty()) return InvalidArgument("forward: empty chunk");

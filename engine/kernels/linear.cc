@@ -109,6 +109,12 @@ StatusOr<memory::desc> GemmRuntime::PreferredWeights(int n, int k, int ld_out, D
   return pd.weights_desc();
 }
 
+StatusOr<std::string> GemmRuntime::KernelFor(int rows, int n, int k, int ld_out, DType dt, bool bias,
+                                             const memory::desc& wei) {
+  QKV_ASSIGN_OR_RETURN(auto pd, MakePd(rows, n, k, ld_out, dt, bias, wei));
+  return std::string(pd.impl_info_str());
+}
+
 StatusOr<const GemmRuntime::Prim*> GemmRuntime::Get(int rows, int n, int k, int ld_out, DType dt, bool bias,
                                                     const memory::desc& wei) {
   std::string key = std::to_string(rows) + "/" + std::to_string(n) + "/" + std::to_string(k) + "/" +
@@ -160,7 +166,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
     // Forced: oneDNN for every bucket even where its kernels differ (to measure it, or to show the tests fail).
     Status st = lin->CreateOneDnn(w, bias, 1, /*same_kernel=*/false);
     if (!st.ok()) return Internal("linear " + shape + ": QKV_GEMM=onednn: " + st.message());
-    rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() + " (forced)");
+    rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() + " (forced)", dt);
     return lin;
   }
   if (!forced) {
@@ -169,7 +175,8 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
       Status st = lin->CreateOneDnn(w, bias, min_bucket, /*same_kernel=*/true);
       if (st.ok()) {
         rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() +
-                     (min_bucket > 1 ? " (M >= " + std::to_string(min_bucket) + ")" : ""));
+                         (min_bucket > 1 ? " (M >= " + std::to_string(min_bucket) + ")" : ""),
+                     dt);
         return lin;
       }
       why = st.message();
@@ -184,7 +191,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   const int panels = lin->packed_->panels();
   lin->panel_bounds_.resize(nthr + 1);
   for (int t = 0; t <= nthr; ++t) lin->panel_bounds_[t] = static_cast<int>(static_cast<int64_t>(panels) * t / nthr);
-  rt.NoteLayer(std::string("packed avx2 f32 x ") + DTypeName(dt));
+  rt.NoteLayer(std::string("packed avx2 f32 x ") + DTypeName(dt), DType::kF32);
   return lin;
 }
 
@@ -210,15 +217,19 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, b
     if (s.n <= 0) continue;
     try {
       QKV_ASSIGN_OR_RETURN(memory::desc wd, rt.PreferredWeights(s.n, k, n, dt, bias != nullptr));
-      s.buckets.resize(kNumBuckets);
-      for (int b = first_bucket_; b < kNumBuckets; ++b) {
-        QKV_ASSIGN_OR_RETURN(const GemmRuntime::Prim* p, rt.Get(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
-        const std::string impl = p->pd.impl_info_str();
-        if (same_kernel && (impl.rfind("brg:", 0) != 0 || (!kernel.empty() && impl != kernel))) {
+      // Check every bucket's kernel before registering any primitive: a rejected layout must not leave
+      // primitives, scratchpads and output buffers behind in the runtime.
+      for (int b = first_bucket_; same_kernel && b < kNumBuckets; ++b) {
+        QKV_ASSIGN_OR_RETURN(const std::string impl, rt.KernelFor(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
+        if (impl.rfind("brg:", 0) != 0 || (!kernel.empty() && impl != kernel)) {
           return FailedPrecondition("oneDNN picks " + (kernel.empty() ? impl : kernel + " and " + impl) +
                                     " across the M buckets from " + std::to_string(min_bucket));
         }
         kernel = impl;
+      }
+      s.buckets.resize(kNumBuckets);
+      for (int b = first_bucket_; b < kNumBuckets; ++b) {
+        QKV_ASSIGN_OR_RETURN(const GemmRuntime::Prim* p, rt.Get(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
         Slice::Bucket& bk = s.buckets[b];
         bk.p = p;
         bk.src = memory(p->pd.src_desc(), rt.engine(), DNNL_MEMORY_NONE);

@@ -60,6 +60,9 @@ class GemmRuntime {
   };
   // Primitive for (rows, n, k, ld_out) with the given weight layout, created on first use (start-up).
   StatusOr<const Prim*> Get(int rows, int n, int k, int ld_out, DType dt, bool bias, const dnnl::memory::desc& wei);
+  // The kernel oneDNN would pick for (rows, n, k) with this weight layout; nothing is registered.
+  StatusOr<std::string> KernelFor(int rows, int n, int k, int ld_out, DType dt, bool bias,
+                                  const dnnl::memory::desc& wei);
   // The weight layout oneDNN prefers for an [n, k] slice at the largest bucket.
   StatusOr<dnnl::memory::desc> PreferredWeights(int n, int k, int ld_out, DType dt, bool bias);
   void* scratch(int thread) { return scratch_[thread].data(); }
@@ -79,7 +82,13 @@ class GemmRuntime {
   std::string Summary() const;
   // oneDNN's effective instruction set, e.g. "avx2", "avx512_core_amx" (ONEDNN_MAX_CPU_ISA caps it).
   static std::string CpuIsa();
-  void NoteLayer(const std::string& what) { layers_.insert(what); }
+  // Records a created layer: its GEMM path (for Summary) and the dtype it takes its input in.
+  void NoteLayer(const std::string& what, DType input) {
+    layers_.insert(what);
+    bf16_input_ |= input == DType::kBF16;
+  }
+  // Whether any layer takes bf16 input (then callers need a bf16 staging buffer).
+  bool any_bf16_input() const { return bf16_input_; }
 
  private:
   StatusOr<dnnl::matmul::primitive_desc> MakePd(int rows, int n, int k, int ld_out, DType dt, bool bias,
@@ -91,6 +100,7 @@ class GemmRuntime {
   std::vector<std::vector<float>> out_;
   std::map<std::string, std::unique_ptr<Prim>> prims_;
   std::set<std::string> layers_;
+  bool bf16_input_ = false;
 };
 
 class Linear {
