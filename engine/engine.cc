@@ -171,7 +171,7 @@ void Engine::Loop() {
     try {
       Step();
     } catch (const std::exception& e) {
-      // An exception (an allocation failure, a bug) fails the requests of this step, not the process.
+      // An exception (an allocation failure, a bug) fails the requests in flight, not the process.
       FailRunning(std::string("engine step failed: ") + e.what());
     }
     MaybePublishStats();
@@ -398,11 +398,27 @@ void Engine::ExpireSessions() {
     Session& s = *it->second;
     s.expiry_queued = false;
     if (s.busy) continue;  // re-queued by Touch when its turn ends
-    ReleaseBlocks(s.ctx.kv, scheduler_.pool());
+    EraseSession(it);
     ++counters_.session_evictions_ttl;
-    --sessions_per_ns_[ns];
-    sessions_.erase(it);
   }
+}
+
+SessionInfo Engine::AddSession(std::unique_ptr<Session> s) {
+  s->created = Clock::now();
+  Touch(*s);
+  SessionInfo info = Info(*s, false);
+  ++sessions_per_ns_[s->ns];
+  const auto key = std::make_pair(s->ns, s->id);
+  sessions_[key] = std::move(s);
+  return info;
+}
+
+void Engine::EraseSession(SessionMap::iterator it) {
+  Session& s = *it->second;
+  ReleaseBlocks(s.ctx.kv, scheduler_.pool());
+  Forget(s);
+  --sessions_per_ns_[s.ns];
+  sessions_.erase(it);
 }
 
 void Engine::Step() {
@@ -582,12 +598,7 @@ StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::
   s->ctx.tokens = std::move(initial_tokens);
   s->ttl_s = ttl_s;
   s->priority = priority;
-  s->created = Clock::now();
-  Touch(*s);
-  SessionInfo info = Info(*s, false);
-  sessions_[{ns, id}] = std::move(s);
-  ++sessions_per_ns_[ns];
-  return info;
+  return AddSession(std::move(s));
 }
 
 void Engine::GetSession(const std::string& ns, const std::string& id, bool with_tokens,
@@ -647,12 +658,7 @@ StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::st
   for (int b : s->ctx.kv.blocks) scheduler_.pool().Ref(b);
   s->ttl_s = p->ttl_s;
   s->priority = p->priority;
-  s->created = Clock::now();
-  Touch(*s);
-  SessionInfo info = Info(*s, false);
-  sessions_[{ns, child}] = std::move(s);
-  ++sessions_per_ns_[ns];
-  return info;
+  return AddSession(std::move(s));
 }
 
 void Engine::TruncateSession(const std::string& ns, const std::string& id, int n_tokens,
@@ -689,10 +695,7 @@ Status Engine::DoCloseSession(const std::string& ns, const std::string& id) {
   auto it = sessions_.find({ns, id});
   if (it == sessions_.end()) return NotFound("session '" + id + "' not found");
   if (it->second->busy) return FailedPrecondition("session '" + id + "' is busy with another request; cancel it first");
-  ReleaseBlocks(it->second->ctx.kv, scheduler_.pool());
-  Forget(*it->second);
-  --sessions_per_ns_[ns];
-  sessions_.erase(it);
+  EraseSession(it);
   ++counters_.session_evictions_closed;
   return {};
 }

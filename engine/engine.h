@@ -195,6 +195,10 @@ class Engine {
   // Marks a session used now and (re)queues its expiry; Forget dequeues it (before it is erased).
   void Touch(Session& s);
   void Forget(Session& s);
+  using SessionMap = std::map<std::pair<std::string, std::string>, std::unique_ptr<Session>>;
+  // The only places sessions enter and leave sessions_: expiry order and per-key counts follow them.
+  SessionInfo AddSession(std::unique_ptr<Session> s);
+  void EraseSession(SessionMap::iterator it);
   bool EvictIdleSession();
   SessionInfo Info(const Session& s, bool with_tokens) const;
   void PublishStats();
@@ -217,7 +221,7 @@ class Engine {
   uint64_t next_seq_id_ = 1;
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
   std::map<std::pair<std::string, std::string>, uint64_t> by_request_id_;
-  std::map<std::pair<std::string, std::string>, std::unique_ptr<Session>> sessions_;
+  SessionMap sessions_;
   std::set<std::tuple<Clock::time_point, std::string, std::string>> expiry_;  // (deadline, ns, id), TTL > 0
   std::map<std::string, int> sessions_per_ns_;
   EngineStats counters_;
