@@ -47,16 +47,16 @@ Status CheckMessageCount(const RequestLimits& l, int64_t n) {
   return {};
 }
 
-Status CheckStops(const RequestLimits& l, std::span<const std::string> stops, int64_t n_stop_token_ids) {
-  if (static_cast<int64_t>(stops.size()) > l.max_stop_strings) {
-    return TooMuch("stop strings", static_cast<int64_t>(stops.size()), l.max_stop_strings, "--max-stop-strings");
-  }
-  int64_t bytes = 0;
-  for (const std::string& s : stops) bytes += static_cast<int64_t>(s.size());
-  if (bytes > l.max_stop_bytes) return TooMuch("stop string bytes", bytes, l.max_stop_bytes, "--max-stop-bytes");
+Status CheckStopCount(const RequestLimits& l, int64_t n_stops, int64_t n_stop_token_ids) {
+  if (n_stops > l.max_stop_strings) return TooMuch("stop strings", n_stops, l.max_stop_strings, "--max-stop-strings");
   if (n_stop_token_ids > l.max_stop_token_ids) {
     return TooMuch("stop_token_ids", n_stop_token_ids, l.max_stop_token_ids, "--max-stop-token-ids");
   }
+  return {};
+}
+
+Status CheckStopBytes(const RequestLimits& l, int64_t bytes) {
+  if (bytes > l.max_stop_bytes) return TooMuch("stop string bytes", bytes, l.max_stop_bytes, "--max-stop-bytes");
   return {};
 }
 

@@ -31,7 +31,17 @@ Status CheckPromptBytes(const RequestLimits& l, std::string_view field, int64_t 
 // Token count against max_prompt_tokens (RESOURCE_EXHAUSTED) and the context (INVALID_ARGUMENT).
 Status CheckPromptTokens(const RequestLimits& l, int64_t n, int context);
 Status CheckMessageCount(const RequestLimits& l, int64_t n);
-// Stop strings: count and total bytes; stop token ids: count.
-Status CheckStops(const RequestLimits& l, std::span<const std::string> stops, int64_t n_stop_token_ids);
+// Stop strings and stop token ids: counts, then the strings' total bytes. Any container of strings (a
+// std::vector, a protobuf repeated field) is read in place; the counts come first, so a request with far
+// too many stop strings is refused without reading them.
+Status CheckStopCount(const RequestLimits& l, int64_t n_stops, int64_t n_stop_token_ids);
+Status CheckStopBytes(const RequestLimits& l, int64_t bytes);
+template <typename Strings>
+Status CheckStops(const RequestLimits& l, const Strings& stops, int64_t n_stop_token_ids) {
+  QKV_RETURN_IF_ERROR(CheckStopCount(l, static_cast<int64_t>(stops.size()), n_stop_token_ids));
+  int64_t bytes = 0;
+  for (const auto& s : stops) bytes += static_cast<int64_t>(s.size());
+  return CheckStopBytes(l, bytes);
+}
 
 }  // namespace qkv

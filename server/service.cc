@@ -303,8 +303,7 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
   const Tokenizer& tok = engine_.model().tokenizer();
   const RequestLimits& lim = opt_.limits;
   // Sizes first: nothing proportional to the input (tokenization, the engine's stop scans) runs before.
-  QKV_RETURN_IF_ERROR(
-      CheckStops(lim, std::vector<std::string>(req.stop().begin(), req.stop().end()), req.stop_token_ids_size()));
+  QKV_RETURN_IF_ERROR(CheckStops(lim, req.stop(), req.stop_token_ids_size()));
   if (req.has_session_id()) QKV_RETURN_IF_ERROR(CheckId("session_id", req.session_id()));
   if (req.has_request_id()) QKV_RETURN_IF_ERROR(CheckId("request_id", req.request_id()));
   switch (req.input_case()) {
