@@ -99,6 +99,7 @@ class ServerTest(unittest.TestCase):
 
     def test_cancel_drop_and_deadline_free_blocks(self):
         self.assertTrue(self.s.wait_used_blocks(0))
+        cancelled_before = self.s.metrics().get('qkvserve_requests_finished_total{reason="cancelled"}', 0)
         # Explicit cancel mid-stream (idempotent; unknown ids are a no-op).
         stream = self.stub.Generate(pb.GenerateRequest(text="long", max_tokens=200, request_id="to-cancel", ignore_eos=True))
         first = next(stream)
@@ -125,8 +126,10 @@ class ServerTest(unittest.TestCase):
                 break
         self.assertEqual(codes[-1], grpc.StatusCode.DEADLINE_EXCEEDED, codes)
         self.assertTrue(self.s.wait_used_blocks(0))
+        # The explicit cancel is counted for certain; the dropped stream and the deadline are counted when the
+        # server saw them before the 200-250 tokens were done (a descheduled client can lose that race).
         m = self.s.metrics()
-        self.assertGreaterEqual(m['qkvserve_requests_finished_total{reason="cancelled"}'], 2)
+        self.assertGreaterEqual(m['qkvserve_requests_finished_total{reason="cancelled"}'], cancelled_before + 1)
 
     def test_invalid_inputs(self):
         C = self.code
