@@ -32,17 +32,19 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
   }
   if (opt.max_num_seqs < 1) return InvalidArgument("max_num_seqs must be positive");
   if (opt.default_max_tokens < 1) return InvalidArgument("default max_tokens must be positive");
-  auto e = std::unique_ptr<Engine>(new Engine(model, opt));
+  // The cache stores the model's layers need; the scheduler owns them from here on.
+  QKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheStores> cache, CacheStores::Create(model.cache_layout()));
+  auto e = std::unique_ptr<Engine>(new Engine(model, opt, std::move(cache)));
   e->PublishStats();
   e->progress_ns_.store(Clock::now().time_since_epoch().count());
   e->thread_ = std::thread([p = e.get()] { p->Loop(); });
   return e;
 }
 
-Engine::Engine(Model& model, const EngineOptions& opt)
+Engine::Engine(Model& model, const EngineOptions& opt, std::unique_ptr<CacheStores> cache)
     : model_(model),
       opt_(opt),
-      scheduler_(model.kv(), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {
+      scheduler_(std::move(cache), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {
   // Fault injection for the reliability tests (docs/server.md): QKV_FAULT_INJECT=throw_on_step=N makes
   // forward step N throw (as an allocation failure would); stall_on_step=N:SECONDS makes it hang that long.
   if (const char* f = std::getenv("QKV_FAULT_INJECT"); f && *f) {
@@ -69,8 +71,8 @@ Engine::~Engine() {
   if (thread_.joinable()) thread_.join();
   // Run anything posted after the loop ended so no caller waits forever.
   for (auto& fn : commands_) fn();
-  for (auto& [id, s] : seqs_) ReleaseBlocks(s->ctx.kv, scheduler_.pool());
-  for (auto& [key, s] : sessions_) ReleaseBlocks(s->ctx.kv, scheduler_.pool());
+  for (auto& [id, s] : seqs_) scheduler_.Release(s->ctx.kv);
+  for (auto& [key, s] : sessions_) scheduler_.Release(s->ctx.kv);
 }
 
 void Engine::Post(std::function<void()> fn) {
@@ -326,18 +328,17 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
   if (s->scheduled_once) counters_.queue.Observe(e.timings.queue_s);
   if (s->params.prompt_logprobs && !s->prompt_logprobs_sent) e.prompt_logprobs = s->prompt_logprobs;
 
-  KvBlockPool& pool = scheduler_.pool();
   if (Session* ss = s->session) {
     if (reason != FinishReason::kStop && reason != FinishReason::kLength) {
       // The turn failed: back to exactly the history before it.
-      TruncateCached(s->ctx, static_cast<int>(s->session_tokens_before.size()), pool);
+      scheduler_.Truncate(s->ctx, static_cast<int>(s->session_tokens_before.size()));
     }
     ss->ctx = std::move(s->ctx);
     ss->busy = false;
     ss->turn = nullptr;
     Touch(*ss);
   } else {
-    ReleaseBlocks(s->ctx.kv, pool);
+    scheduler_.Release(s->ctx.kv);
   }
   switch (reason) {
     case FinishReason::kStop: ++counters_.finished_stop; break;
@@ -365,7 +366,7 @@ bool Engine::EvictIdleSession() {
     }
   }
   if (!victim) return false;
-  ReleaseBlocks(victim->ctx.kv, scheduler_.pool());
+  scheduler_.Release(victim->ctx.kv);
   victim->ctx.hashes.clear();
   ++counters_.session_evictions_memory;
   return true;
@@ -415,7 +416,7 @@ SessionInfo Engine::AddSession(std::unique_ptr<Session> s) {
 
 void Engine::EraseSession(SessionMap::iterator it) {
   Session& s = *it->second;
-  ReleaseBlocks(s.ctx.kv, scheduler_.pool());
+  scheduler_.Release(s.ctx.kv);
   Forget(s);
   --sessions_per_ns_[s.ns];
   sessions_.erase(it);
@@ -472,7 +473,7 @@ void Engine::Step() {
   std::vector<int>& starts = step_starts_;
   starts.clear();
   for (const ScheduledChunk& c : chunks) starts.push_back(c.seq->ctx.kv.n_tokens);
-  const Status st = model_.Forward(batch);
+  const Status st = model_.Forward(batch, scheduler_.cache());
   if (!st.ok()) {
     spdlog::error("forward pass failed: {}", st.ToString());
     for (const ScheduledChunk& c : chunks)
@@ -555,7 +556,7 @@ SessionInfo Engine::Info(const Session& s, bool with_tokens) const {
   i.n_tokens = history;
   i.n_cached_tokens = std::min(ctx.kv.n_tokens, history);
   i.resident_blocks = static_cast<int64_t>(ctx.kv.blocks.size());
-  i.resident_bytes = i.resident_blocks * model_.kv().shape().bytes_per_block();
+  i.resident_bytes = i.resident_blocks * scheduler_.cache().layout().tokens.bytes_per_block();
   i.evicted = ctx.kv.blocks.empty() && history > 0;
   i.busy = s.busy;
   i.ttl_s = s.ttl_s;
@@ -678,7 +679,7 @@ StatusOr<SessionInfo> Engine::DoTruncateSession(const std::string& ns, const std
     return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) +
                            " (the session's length)");
   }
-  TruncateCached(s->ctx, n_tokens, scheduler_.pool());
+  scheduler_.Truncate(s->ctx, n_tokens);
   Touch(*s);
   return Info(*s, false);
 }
@@ -719,7 +720,7 @@ void Engine::PublishStats() {
   s.blocks_cached = pool.cached_blocks();
   s.blocks_free = pool.free_blocks();
   s.block_size = B;
-  s.kv_bytes_per_token = model_.kv().shape().bytes_per_token();
+  s.kv_bytes_per_token = scheduler_.cache().layout().tokens.bytes_per_token();
   s.tokens_capacity = s.blocks_total * B;
   // Token slots holding K/V: per used block, the most positions any owner has filled in it.
   std::vector<int>& filled = stats_filled_;
@@ -745,7 +746,7 @@ void Engine::PublishStats() {
     if (pool.ref_count(static_cast<int>(b)) > 0) s.tokens_used += filled[b];
   }
   s.slack_tokens = s.blocks_used * B - s.tokens_used;
-  s.session_kv_bytes = session_blocks * model_.kv().shape().bytes_per_block();
+  s.session_kv_bytes = session_blocks * scheduler_.cache().layout().tokens.bytes_per_block();
   s.requests_running = static_cast<int64_t>(scheduler_.n_running());
   s.requests_waiting = static_cast<int64_t>(scheduler_.n_waiting());
   s.preemptions = scheduler_.preemptions();

@@ -165,7 +165,7 @@ class Engine {
   const EngineOptions& options() const { return opt_; }
 
  private:
-  Engine(Model& model, const EngineOptions& opt);
+  Engine(Model& model, const EngineOptions& opt, std::unique_ptr<CacheStores> cache);
   void Loop();
   void Post(std::function<void()> fn);
   void RunCommand(std::function<void()>& fn);

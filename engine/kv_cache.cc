@@ -38,4 +38,38 @@ void KvCache::CopyBlock(int src, int dst) {
   }
 }
 
+StateStore::StateStore(int n_slots, int64_t bytes_per_slot)
+    : n_slots_(n_slots), bytes_per_slot_(bytes_per_slot), used_(static_cast<size_t>(n_slots), false) {
+  data_.assign(static_cast<size_t>(n_slots) * static_cast<size_t>(bytes_per_slot), 0);
+  for (int i = n_slots - 1; i >= 0; --i) free_.push_back(i);
+}
+
+int StateStore::Allocate() {
+  if (free_.empty()) return -1;
+  const int s = free_.back();
+  free_.pop_back();
+  used_[s] = true;
+  std::memset(Slot(s), 0, static_cast<size_t>(bytes_per_slot_));
+  return s;
+}
+
+void StateStore::Release(int slot) {
+  if (!in_use(slot)) return;
+  used_[slot] = false;
+  free_.push_back(slot);
+}
+
+StatusOr<std::unique_ptr<CacheStores>> CacheStores::Create(const CacheLayout& layout) {
+  if (layout.state_bytes_per_seq < 0 || layout.state_slots < 0 ||
+      (layout.state_bytes_per_seq > 0 && layout.state_slots == 0)) {
+    return InvalidArgument("cache: state slots must be positive when layers keep state");
+  }
+  auto c = std::unique_ptr<CacheStores>(new CacheStores());
+  c->layout_ = layout;
+  QKV_ASSIGN_OR_RETURN(c->tokens_, KvCache::Create(layout.tokens));
+  c->states_ =
+      std::make_unique<StateStore>(layout.state_bytes_per_seq > 0 ? layout.state_slots : 0, layout.state_bytes_per_seq);
+  return c;
+}
+
 }  // namespace qkv

@@ -1,3 +1,8 @@
+// The cache stores: what the layer kinds keep between steps (layers/layer.h CacheSpec), in two kinds of
+// store. The scheduler owns them (CacheStores) and the model reads and writes them during Forward.
+//   KvCache     the paged token store: per token, per caching layer (today K and V; later an MLA latent)
+//   StateStore  per-sequence state slots of a fixed size (later linear attention's conv window and state)
+//
 // The KV arena: K and V of every layer, cut into blocks of block_size token slots.
 //
 // Layout of each of K and V: [layer][block][kv_head][slot][head_dim], so one kv head's keys inside a
@@ -30,11 +35,12 @@ struct KvCacheShape {
   int64_t bytes_per_block() const { return bytes_per_token() * block_size; }
 };
 
-// One sequence's view of the cache: its blocks (position p is in blocks[p / block_size]) and how many
-// positions hold K/V.
+// One sequence's view of the cache: its blocks (position p is in blocks[p / block_size]), how many
+// positions hold K/V, and its state slot (-1: none; only models whose layers keep state use one).
 struct SeqKv {
   std::vector<int> blocks;
   int n_tokens = 0;
+  int state_slot = -1;
 };
 
 class KvCache {
@@ -62,6 +68,62 @@ class KvCache {
   int64_t bytes_ = 0;       // K and V together
   uint8_t* k_ = nullptr;
   uint8_t* v_ = nullptr;
+};
+
+// Fixed-size per-sequence state slots. A slot is handed out zeroed (a new sequence's state is zero) and
+// belongs to one sequence or session until released.
+class StateStore {
+ public:
+  StateStore(int n_slots, int64_t bytes_per_slot);
+  int n_slots() const { return n_slots_; }
+  int64_t bytes_per_slot() const { return bytes_per_slot_; }
+  int64_t bytes() const { return static_cast<int64_t>(data_.size()); }
+  int free_slots() const { return static_cast<int>(free_.size()); }
+  int used_slots() const { return n_slots_ - free_slots(); }
+  // A zeroed slot, or -1 when all are in use.
+  int Allocate();
+  void Release(int slot);
+  bool in_use(int slot) const { return slot >= 0 && slot < n_slots_ && used_[slot]; }
+  uint8_t* Slot(int slot) { return data_.data() + static_cast<size_t>(slot) * bytes_per_slot_; }
+  const uint8_t* Slot(int slot) const { return data_.data() + static_cast<size_t>(slot) * bytes_per_slot_; }
+
+ private:
+  int n_slots_;
+  int64_t bytes_per_slot_;
+  std::vector<uint8_t> data_;
+  std::vector<int> free_;  // a stack: the lowest slot on top
+  std::vector<bool> used_;
+};
+
+// What a model's layers cache, sized: the paged token store's shape (n_blocks included) and the state
+// slots. Model::cache_layout() computes it from the model options; CacheStores::Create allocates it.
+struct CacheLayout {
+  KvCacheShape tokens;
+  int64_t state_bytes_per_seq = 0;  // 0: no layer keeps per-sequence state
+  int state_slots = 0;
+  int64_t bytes() const { return token_bytes() + state_bytes(); }
+  int64_t token_bytes() const { return tokens.bytes_per_block() * tokens.n_blocks; }  // the KV arena
+  int64_t state_bytes() const { return state_bytes_per_seq * state_slots; }
+};
+
+// Every store of one model's cache. Owned by the scheduler (which hands out blocks and slots); the
+// model's Forward writes and reads them.
+class CacheStores {
+ public:
+  static StatusOr<std::unique_ptr<CacheStores>> Create(const CacheLayout& layout);
+  const CacheLayout& layout() const { return layout_; }
+  KvCache& tokens() { return *tokens_; }
+  const KvCache& tokens() const { return *tokens_; }
+  StateStore& states() { return *states_; }
+  const StateStore& states() const { return *states_; }
+  // Bytes of all stores (the KV arena and the state slots).
+  int64_t bytes() const { return tokens_->arena_bytes() + states_->bytes(); }
+
+ private:
+  CacheStores() = default;
+  CacheLayout layout_;
+  std::unique_ptr<KvCache> tokens_;
+  std::unique_ptr<StateStore> states_;
 };
 
 }  // namespace qkv

@@ -94,7 +94,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
                m->rt_->Summary());
   for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
   const ModelConfig& c = m->cfg_;
-  // The paged token store: one arena layer per layer kind that caches per token.
+  // The cache the layers need: one arena layer of the paged token store per layer kind that caches per
+  // token, and state slots if any kind keeps per-sequence state. Sized here; the scheduler allocates it.
   KvCacheShape ks;
   ks.n_layers = m->kv_layers_;
   ks.n_kv_heads = c.n_kv_heads;
@@ -118,14 +119,18 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     ks.n_blocks = ctx_blocks;
   }
   // One accounting: the arena's bytes per token are what the layer kinds declare they cache.
-  if (m->cache_spec().bytes_per_token != ks.bytes_per_token()) {
-    return Internal("model: layers cache " + std::to_string(m->cache_spec().bytes_per_token) +
+  const CacheSpec spec = m->cache_spec();
+  if (spec.bytes_per_token != ks.bytes_per_token()) {
+    return Internal("model: layers cache " + std::to_string(spec.bytes_per_token) +
                     " bytes per token but the KV arena holds " + std::to_string(ks.bytes_per_token()));
   }
-  QKV_ASSIGN_OR_RETURN(m->kv_, KvCache::Create(ks));
+  m->layout_.tokens = ks;
+  m->layout_.state_bytes_per_seq = spec.state_bytes_per_seq;
+  m->layout_.state_slots = spec.state_bytes_per_seq > 0 ? (opt.state_slots > 0 ? opt.state_slots : 64) : 0;
   spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks,
-               ks.block_size, ks.n_blocks * ks.block_size, static_cast<double>(m->kv_->arena_bytes()) / (1 << 20),
-               ks.bytes_per_token(), DTypeName(ks.dtype));
+               ks.block_size, ks.n_blocks * ks.block_size,
+               static_cast<double>(ks.bytes_per_block() * ks.n_blocks) / (1 << 20), ks.bytes_per_token(),
+               DTypeName(ks.dtype));
   // Scratch for the largest batch.
   const int rows = (opt.max_batch_tokens + kTileRows - 1) / kTileRows * kTileRows;
   m->rows_cap_ = rows;
@@ -226,8 +231,14 @@ Status Model::CheckChunk(const BatchChunk& ch) const {
   return {};
 }
 
-Status Model::Forward(std::span<const BatchChunk> batch) {
+Status Model::Forward(std::span<const BatchChunk> batch, CacheStores& cache) {
   const ModelConfig& c = cfg_;
+  const KvCacheShape& have = cache.layout().tokens;
+  if (have.n_layers != layout_.tokens.n_layers || have.n_kv_heads != layout_.tokens.n_kv_heads ||
+      have.head_dim != layout_.tokens.head_dim || have.block_size != layout_.tokens.block_size ||
+      have.dtype != layout_.tokens.dtype || cache.layout().state_bytes_per_seq != layout_.state_bytes_per_seq) {
+    return InvalidArgument("forward: the cache stores were not made for this model's cache layout");
+  }
   // Validate the whole batch before touching anything.
   int T = 0;
   for (size_t ci = 0; ci < batch.size(); ++ci) {
@@ -237,6 +248,9 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
       if (batch[cj].seq == ch.seq) return InvalidArgument("forward: a sequence appears twice in one batch");
     }
     QKV_RETURN_IF_ERROR(CheckChunk(ch));
+    if (layout_.state_bytes_per_seq > 0 && !cache.states().in_use(ch.seq->state_slot)) {
+      return FailedPrecondition("forward: the sequence holds no state slot");
+    }
     if (T + static_cast<int>(ch.tokens.size()) > opt_.max_batch_tokens) {
       return InvalidArgument("forward: batch exceeds " + std::to_string(opt_.max_batch_tokens) + " tokens");
     }
@@ -280,7 +294,8 @@ Status Model::Forward(std::span<const BatchChunk> batch) {
   sc.attn_per_thread = attn_scratch_.data();
   sc.attn_stride = attn_scratch_stride_;
   sc.bf16_in = in_lp_.data();
-  sc.kv = kv_.get();
+  sc.kv = &cache.tokens();
+  sc.states = &cache.states();
   sc.n_threads = opt_.n_threads;
   sc.timer = &timer;
   sc.profile = &pf;

@@ -39,6 +39,8 @@ struct ModelOptions {
   int64_t kv_blocks = 0;
   int64_t kv_cache_bytes = 0;
   static constexpr int64_t kAutoKvBytes = -1;
+  // Per-sequence state slots, for models whose layers keep state (none today); 0: 64.
+  int state_slots = 0;
 };
 
 class Model {
@@ -49,8 +51,10 @@ class Model {
   const ModelConfig& config() const { return cfg_; }
   const ModelOptions& options() const { return opt_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
-  KvCache& kv() { return *kv_; }
-  const KvCache& kv() const { return *kv_; }
+  // The cache this model needs, sized from the options (the KV arena's blocks, the state slots). The
+  // model does not hold it: the scheduler owns the stores (CacheStores::Create(cache_layout())) and
+  // Forward is handed them.
+  const CacheLayout& cache_layout() const { return layout_; }
   int max_context() const { return max_ctx_; }
   // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.
   size_t weight_bytes() const { return weight_bytes_; }
@@ -63,10 +67,11 @@ class Model {
   // Bytes of scratch sized at load: activation buffers, logits, attention and oneDNN scratchpads.
   size_t scratch_bytes() const;
 
-  // Runs the batch. Each chunk's tokens are appended to its sequence (blocks must be reserved first,
-  // see ReserveBlocks). Logits rows come out in chunk order: all of a chunk's tokens if all_logits, else
-  // its last; they stay valid until the next Forward.
-  Status Forward(std::span<const BatchChunk> batch);
+  // Runs the batch over the cache stores `cache` (created from cache_layout()). Each chunk's tokens are
+  // appended to its sequence (blocks must be reserved first, see ReserveBlocks). Logits rows come out in
+  // chunk order: all of a chunk's tokens if all_logits, else its last; they stay valid until the next
+  // Forward.
+  Status Forward(std::span<const BatchChunk> batch, CacheStores& cache);
   // The checks Forward makes of one chunk (context, reserved blocks, token ids), so that a caller can
   // drop a chunk the model would refuse instead of failing the whole batch.
   Status CheckChunk(const BatchChunk& ch) const;
@@ -94,7 +99,7 @@ class Model {
   int max_ctx_ = 0;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<GemmRuntime> rt_;
-  std::unique_ptr<KvCache> kv_;
+  CacheLayout layout_;
   std::unique_ptr<RopeTable> rope_;
   std::vector<std::unique_ptr<Layer>> layers_;
   int kv_layers_ = 0;                 // layers of the paged token store handed out to layer kinds

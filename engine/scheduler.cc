@@ -4,7 +4,23 @@
 
 namespace qkv {
 
-void TruncateCached(CachedTokens& ctx, int n, KvBlockPool& pool) {
+Scheduler::Scheduler(std::unique_ptr<CacheStores> cache, const SchedulerOptions& opt)
+    : cache_(std::move(cache)),
+      pool_(cache_->layout().tokens.n_blocks, cache_->layout().tokens.block_size),
+      opt_(opt) {}
+
+void Scheduler::Release(SeqKv& kv) {
+  ReleaseBlocks(kv, pool_);
+  if (kv.state_slot >= 0) cache_->states().Release(kv.state_slot);
+  kv.state_slot = -1;
+}
+
+void Scheduler::Truncate(CachedTokens& ctx, int n) {
+  KvBlockPool& pool = pool_;
+  if (ctx.kv.state_slot >= 0 && n < ctx.kv.n_tokens) {
+    Release(ctx.kv);
+    ctx.hashes.clear();
+  }
   const int B = pool.block_size();
   if (static_cast<int>(ctx.tokens.size()) > n) ctx.tokens.resize(n);
   ctx.kv.n_tokens = std::min(ctx.kv.n_tokens, n);
@@ -17,7 +33,8 @@ void TruncateCached(CachedTokens& ctx, int n, KvBlockPool& pool) {
 }
 
 int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns) {
-  if (!opt_.prefix_caching) return 0;
+  // Cached blocks hold K/V, not the state after them: a model that keeps state recomputes its prefix.
+  if (!opt_.prefix_caching || cache_->layout().state_bytes_per_seq > 0) return 0;
   const int B = pool_.block_size();
   SeqKv& kv = ctx.kv;
   if (kv.n_tokens % B != 0 || kv.blocks.size() != static_cast<size_t>(kv.n_tokens / B) ||
@@ -56,8 +73,17 @@ void Scheduler::RegisterFullBlocks(Sequence& seq) {
   }
 }
 
+bool Scheduler::EnsureStateSlot(Sequence& s, const Evictor& evict) {
+  if (cache_->layout().state_bytes_per_seq == 0 || s.ctx.kv.state_slot >= 0) return true;
+  while (cache_->states().free_slots() == 0) {
+    if (!evict()) return false;
+  }
+  s.ctx.kv.state_slot = cache_->states().Allocate();
+  return true;
+}
+
 void Scheduler::Preempt(Sequence& s) {
-  ReleaseBlocks(s.ctx.kv, pool_);
+  Release(s.ctx.kv);
   s.ctx.hashes.clear();
   ++s.preemptions;
   ++preemptions_;
@@ -101,7 +127,7 @@ bool Scheduler::EnsureBlocks(Sequence& seq, int end, std::vector<Sequence*>& run
   }
   if (cow) {  // never write into a shared or cached block
     const int nb = pool_.Allocate();
-    kv_.CopyBlock(kv.blocks[wi], nb);
+    cache_->tokens().CopyBlock(kv.blocks[wi], nb);
     pool_.Unref(kv.blocks[wi]);
     kv.blocks[wi] = nb;
   }
@@ -144,6 +170,7 @@ StepPlan Scheduler::PlanStep(const Evictor& evict) {
       if (best == waiting.end() || (*it)->params.priority > (*best)->params.priority) best = it;
     }
     if (best == waiting.end()) break;
+    if (!EnsureStateSlot(**best, evict)) break;
     Sequence* s = *best;
     waiting.erase(best);
     --waiting_by_ns_[s->ns_id];

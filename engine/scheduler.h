@@ -6,10 +6,15 @@
 // the pool itself (LRU); then idle sessions' KV is dropped (through the Evictor); then running sequences
 // are preempted by recompute (lowest priority, newest first). The plan is a small explicit object that
 // the engine hands to the model.
+//
+// It owns the cache stores (kv_cache.h) and hands out their pieces: token blocks through the block pool,
+// and, for models whose layers keep per-sequence state, one state slot per admitted sequence (a sequence
+// waits while none is free and idle sessions' state can't be evicted).
 #pragma once
 
 #include <deque>
 #include <functional>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -44,12 +49,21 @@ class Scheduler {
   // Drops one idle session's KV to free blocks; false when no idle session holds any.
   using Evictor = std::function<bool()>;
 
-  // The scheduler owns the block pool over kv's blocks (who holds which block, the prefix cache).
-  Scheduler(KvCache& kv, const SchedulerOptions& opt)
-      : pool_(kv.shape().n_blocks, kv.shape().block_size), kv_(kv), opt_(opt) {}
+  // The scheduler owns the cache stores and the block pool over their token blocks (who holds which
+  // block, the prefix cache).
+  Scheduler(std::unique_ptr<CacheStores> cache, const SchedulerOptions& opt);
   const SchedulerOptions& options() const { return opt_; }
   KvBlockPool& pool() { return pool_; }
   const KvBlockPool& pool() const { return pool_; }
+  CacheStores& cache() { return *cache_; }
+  const CacheStores& cache() const { return *cache_; }
+
+  // Gives back everything kv holds (blocks, state slot) and empties it.
+  void Release(SeqKv& kv);
+  // Truncates cached tokens to n (tokens, KV and known hashes), dropping block references past the end.
+  // State summarizes every token, so a context that keeps state and is cut below what it computed starts
+  // over (its KV and state are released; it recomputes).
+  void Truncate(CachedTokens& ctx, int n);
 
   // The queues: a submitted sequence waits until admitted, then runs until the engine removes it.
   void Enqueue(Sequence* s);
@@ -82,17 +96,16 @@ class Scheduler {
   bool MakeRoom(int64_t blocks, Sequence& for_seq, std::vector<Sequence*>& running, StepPlan& plan,
                 const Evictor& evict);
   void Preempt(Sequence& s);
+  // Gives s a state slot if the model keeps state and it has none; false when none can be freed.
+  bool EnsureStateSlot(Sequence& s, const Evictor& evict);
 
+  std::unique_ptr<CacheStores> cache_;
   KvBlockPool pool_;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
   std::unordered_map<uint32_t, int> waiting_by_ns_, running_by_ns_;  // per tenant
-  KvCache& kv_;
   SchedulerOptions opt_;
   uint64_t prefix_queries_ = 0, prefix_hits_ = 0, preemptions_ = 0;
 };
-
-// Truncates cached tokens to n (tokens, KV and known hashes), dropping block references past the end.
-void TruncateCached(CachedTokens& ctx, int n, KvBlockPool& pool);
 
 }  // namespace qkv

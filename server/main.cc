@@ -172,94 +172,187 @@ std::string ReadFile(const std::string& path, bool* ok) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"qkvserve: LLM inference over gRPC on CPUs (sessions, paged KV cache, continuous batching)"};
-  app.set_config("--config", "", "read options from a TOML/INI config file (keys are the long flag names)");
+// Every command-line flag (and config-file key) of qkvserve, with its default.
+struct Flags {
   std::string model, tokenizer_file, listen = "127.0.0.1:50051", metrics_listen = "127.0.0.1:9464", ready_file;
-  std::string weights_dtype = "bf16", kv_dtype = "bf16", kv_bytes_s, api_keys_file, tls_cert, tls_key;
-  std::string log_level = "info", chat_template_s, instance_id;
+  std::string weights_dtype = "bf16", kv_dtype = "bf16", kv_bytes, api_keys_file, tls_cert, tls_key;
+  std::string log_level = "info", chat_template, instance_id;
   int threads = 0, block_size = 16, max_batched = 512, max_seqs = 64, max_model_len = 0, default_max_tokens = 256;
   int max_waiting = 1024;
   double drain_grace = 30;
   bool no_prefix_caching = false;
-  app.add_option("--model", model, "GGUF model (default: $QKVSERVE_MODEL, then the bundled model)");
-  app.add_option("--tokenizer", tokenizer_file,
-                 "Hugging Face tokenizer.json to use instead of the GGUF's (byte-level BPE)");
-  app.add_option("--listen", listen, "gRPC address; port 0 picks a free port")
-      ->capture_default_str()
-      ->envname("QKVSERVE_LISTEN");
-  app.add_option("--metrics-listen", metrics_listen, "Prometheus /metrics address; port 0 picks a free port")
-      ->capture_default_str()
-      ->envname("QKVSERVE_METRICS_LISTEN");
-  app.add_option("--ready-file", ready_file, "write {\"grpc\": ADDR, \"metrics\": ADDR, \"pid\": N} here once ready");
-  app.add_option("--threads", threads, "compute threads (default: the number of cores)");
-  app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
-  app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
-  app.add_option("--kv-cache-bytes", kv_bytes_s,
-                 "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 "
-                 "GiB and 1024 full contexts)");
-  app.add_option("--block-size", block_size, "tokens per KV block")->capture_default_str()->check(CLI::Range(1, 1024));
-  app.add_option("--max-num-batched-tokens", max_batched, "tokens per engine step")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 65536));
-  app.add_option("--max-num-seqs", max_seqs, "sequences per engine step")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  app.add_option("--max-model-len", max_model_len, "context limit (default: the model's)")
-      ->check(CLI::Range(0, 1 << 22));
-  app.add_option("--max-waiting", max_waiting, "queued requests before RESOURCE_EXHAUSTED")->capture_default_str();
-  app.add_option("--default-max-tokens", default_max_tokens, "max_tokens when a request gives none")
-      ->capture_default_str();
-  app.add_flag("--no-prefix-caching", no_prefix_caching, "do not reuse KV blocks across requests by content");
-  app.add_option("--api-keys", api_keys_file,
-                 "file with one API key per line; then every call needs 'authorization: Bearer <key>'");
-  app.add_option("--tls-cert", tls_cert, "PEM certificate chain (TLS)");
-  app.add_option("--tls-key", tls_key, "PEM private key (TLS)");
-  app.add_option("--chat-template", chat_template_s, "plain, chatml or llama3 (default: detected from the model)");
-  app.add_option("--instance-id", instance_id, "names this replica in GetModelInfo (default: hostname-pid)");
-  app.add_option("--drain-grace-seconds", drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")
-      ->capture_default_str();
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
   int max_sessions_per_key = 10000, max_waiting_per_key = 0, max_running_per_key = 0;
   std::string priority_range = "0..0";
-  app.add_option("--max-sessions-per-key", max_sessions_per_key, "sessions one API key may hold (forks count)")
+  double liveness_timeout = 60;
+  qkv::RequestLimits limits;
+};
+
+void AddFlags(CLI::App& app, Flags& f) {
+  app.set_config("--config", "", "read options from a TOML/INI config file (keys are the long flag names)");
+  app.add_option("--model", f.model, "GGUF model (default: $QKVSERVE_MODEL, then the bundled model)");
+  app.add_option("--tokenizer", f.tokenizer_file,
+                 "Hugging Face tokenizer.json to use instead of the GGUF's (byte-level BPE)");
+  app.add_option("--listen", f.listen, "gRPC address; port 0 picks a free port")
+      ->capture_default_str()
+      ->envname("QKVSERVE_LISTEN");
+  app.add_option("--metrics-listen", f.metrics_listen, "Prometheus /metrics address; port 0 picks a free port")
+      ->capture_default_str()
+      ->envname("QKVSERVE_METRICS_LISTEN");
+  app.add_option("--ready-file", f.ready_file, "write {\"grpc\": ADDR, \"metrics\": ADDR, \"pid\": N} here once ready");
+  app.add_option("--threads", f.threads, "compute threads (default: the number of cores)");
+  app.add_option("--weights-dtype", f.weights_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-dtype", f.kv_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-cache-bytes", f.kv_bytes,
+                 "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 "
+                 "GiB and 1024 full contexts)");
+  app.add_option("--block-size", f.block_size, "tokens per KV block")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--max-num-batched-tokens", f.max_batched, "tokens per engine step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--max-num-seqs", f.max_seqs, "sequences per engine step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--max-model-len", f.max_model_len, "context limit (default: the model's)")
+      ->check(CLI::Range(0, 1 << 22));
+  app.add_option("--max-waiting", f.max_waiting, "queued requests before RESOURCE_EXHAUSTED")->capture_default_str();
+  app.add_option("--default-max-tokens", f.default_max_tokens, "max_tokens when a request gives none")
+      ->capture_default_str();
+  app.add_flag("--no-prefix-caching", f.no_prefix_caching, "do not reuse KV blocks across requests by content");
+  app.add_option("--api-keys", f.api_keys_file,
+                 "file with one API key per line; then every call needs 'authorization: Bearer <key>'");
+  app.add_option("--tls-cert", f.tls_cert, "PEM certificate chain (TLS)");
+  app.add_option("--tls-key", f.tls_key, "PEM private key (TLS)");
+  app.add_option("--chat-template", f.chat_template, "plain, chatml or llama3 (default: detected from the model)");
+  app.add_option("--instance-id", f.instance_id, "names this replica in GetModelInfo (default: hostname-pid)");
+  app.add_option("--drain-grace-seconds", f.drain_grace, "on SIGTERM/SIGINT, time in-flight requests get to finish")
+      ->capture_default_str();
+  app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error")->capture_default_str();
+  app.add_option("--max-sessions-per-key", f.max_sessions_per_key, "sessions one API key may hold (forks count)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--max-waiting-per-key", max_waiting_per_key, "queued requests per key (default: --max-waiting)")
+  app.add_option("--max-waiting-per-key", f.max_waiting_per_key, "queued requests per key (default: --max-waiting)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--max-running-per-key", max_running_per_key,
+  app.add_option("--max-running-per-key", f.max_running_per_key,
                  "sequences of one key in the running batch (default: --max-num-seqs)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--priority-range", priority_range, "LO..HI: the request priorities every key may use")
+  app.add_option("--priority-range", f.priority_range, "LO..HI: the request priorities every key may use")
       ->capture_default_str();
-  double liveness_timeout = 60;
-  app.add_option("--liveness-timeout-seconds", liveness_timeout,
+  app.add_option("--liveness-timeout-seconds", f.liveness_timeout,
                  "liveness (health service \"\") turns NOT_SERVING when the engine thread makes no progress this long")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  qkv::RequestLimits limits;
-  app.add_option("--max-prompt-bytes", limits.max_prompt_bytes, "bytes of prompt text (or of all messages)")
+  qkv::RequestLimits& l = f.limits;
+  app.add_option("--max-prompt-bytes", l.max_prompt_bytes, "bytes of prompt text (or of all messages)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--max-prompt-tokens", limits.max_prompt_tokens, "prompt tokens (0: the context length)")
+  app.add_option("--max-prompt-tokens", l.max_prompt_tokens, "prompt tokens (0: the context length)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--max-messages", limits.max_messages, "chat messages per request")
+  app.add_option("--max-messages", l.max_messages, "chat messages per request")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--max-stop-strings", limits.max_stop_strings, "stop strings per request")
+  app.add_option("--max-stop-strings", l.max_stop_strings, "stop strings per request")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--max-stop-bytes", limits.max_stop_bytes, "bytes of all stop strings of a request")
+  app.add_option("--max-stop-bytes", l.max_stop_bytes, "bytes of all stop strings of a request")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--max-stop-token-ids", limits.max_stop_token_ids, "stop token ids per request")
+  app.add_option("--max-stop-token-ids", l.max_stop_token_ids, "stop token ids per request")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+}
+
+// The model's load options from the flags; the error names the flag.
+qkv::StatusOr<qkv::ModelOptions> ModelOptionsFrom(const Flags& f) {
+  qkv::ModelOptions mo;
+  auto wd = qkv::ParseDType(f.weights_dtype);
+  if (!wd.ok()) return qkv::InvalidArgument("--weights-dtype: " + wd.status().message());
+  auto kd = qkv::ParseDType(f.kv_dtype);
+  if (!kd.ok()) return qkv::InvalidArgument("--kv-dtype: " + kd.status().message());
+  mo.tokenizer_path = f.tokenizer_file;
+  mo.weights_dtype = *wd;
+  mo.kv_dtype = *kd;
+  mo.n_threads = f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  mo.max_batch_tokens = f.max_batched;
+  mo.max_context = f.max_model_len;
+  mo.block_size = f.block_size;
+  mo.kv_cache_bytes = qkv::ModelOptions::kAutoKvBytes;
+  if (!f.kv_bytes.empty()) {
+    auto b = qkv::ParseByteSize(f.kv_bytes);
+    if (!b.ok()) return qkv::InvalidArgument("--kv-cache-bytes: " + b.status().message());
+    mo.kv_cache_bytes = *b;
+  }
+  return mo;
+}
+
+// The default per-key quota from the flags and, with --api-keys, the keys and their own quotas.
+qkv::Status LoadQuotas(const Flags& f, qkv::TenantQuota* quota, std::set<std::string>* keys,
+                       std::map<std::string, qkv::TenantQuota>* key_quotas) {
+  quota->max_sessions = f.max_sessions_per_key;
+  quota->max_waiting = f.max_waiting_per_key > 0 ? f.max_waiting_per_key : f.max_waiting;
+  quota->max_running = f.max_running_per_key > 0 ? f.max_running_per_key : f.max_seqs;
+  if (auto st = qkv::server::ParsePriorityRange(f.priority_range, &quota->min_priority, &quota->max_priority);
+      !st.ok()) {
+    return qkv::InvalidArgument("--priority-range: " + st.message());
+  }
+  if (f.api_keys_file.empty()) return {};
+  std::ifstream in(f.api_keys_file);
+  if (!in) return qkv::InvalidArgument("--api-keys: cannot read '" + f.api_keys_file + "'");
+  auto parsed = qkv::server::ParseApiKeys(in, *quota);
+  if (!parsed.ok()) return qkv::InvalidArgument("--api-keys: " + parsed.status().message());
+  *key_quotas = std::move(*parsed);
+  for (const auto& [k, q] : *key_quotas) keys->insert(k);
+  if (keys->empty()) return qkv::InvalidArgument("--api-keys: '" + f.api_keys_file + "' holds no key");
+  return {};
+}
+
+// The chat template: --chat-template if given, else detected from the GGUF's Jinja template.
+qkv::StatusOr<qkv::ChatTemplateKind> ChatTemplateFor(const Flags& f, const std::string& model) {
+  if (!f.chat_template.empty()) {
+    auto t = qkv::ParseChatTemplate(f.chat_template);
+    if (!t.ok()) return qkv::InvalidArgument("--chat-template: " + t.status().message());
+    return *t;
+  }
+  std::string jinja;
+  if (auto g = qkv::GgufFile::Open(model); g.ok()) jinja = (*g)->GetStringOr("tokenizer.chat_template", "");
+  return qkv::DetectChatTemplate(jinja);
+}
+
+// Builds and starts the gRPC server (TLS if configured); *port gets the port it listens on.
+qkv::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(const Flags& f, grpc::Service& service, int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!f.tls_cert.empty() || !f.tls_key.empty()) {
+    bool ok1 = false, ok2 = false;
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({ReadFile(f.tls_key, &ok1), ReadFile(f.tls_cert, &ok2)});
+    if (!ok1 || !ok2) return qkv::InvalidArgument("--tls-cert and --tls-key must both be readable files");
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(f.listen, creds, port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || *port == 0) return qkv::FailedPrecondition("cannot listen on --listen " + f.listen);
+  return server;
+}
+
+std::string WithPort(const std::string& addr, int port) {
+  return addr.substr(0, addr.rfind(':')) + ":" + std::to_string(port);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"qkvserve: LLM inference over gRPC on CPUs (sessions, paged KV cache, continuous batching)"};
+  Flags f;
+  AddFlags(app, f);
   CLI11_PARSE(app, argc, argv);
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  spdlog::set_level(spdlog::level::from_str(f.log_level));
 
   // SIGTERM/SIGINT are taken by the watcher thread; block them before any other thread starts.
   sigset_t sigs;
@@ -270,141 +363,88 @@ int main(int argc, char** argv) {
   // Never destroyed: its detached thread may still wake up while the process exits.
   SignalWatcher& signals = *new SignalWatcher(sigs);
 
-  if (model.empty()) {
+  if (f.model.empty()) {
     std::vector<std::string> looked;
-    model = ResolveDefaultModel(&looked);
-    if (model.empty()) {
+    f.model = ResolveDefaultModel(&looked);
+    if (f.model.empty()) {
       std::string where;
       for (const auto& l : looked) where += " " + l;
       return Fail("no --model given, $QKVSERVE_MODEL is unset and no bundled model was found in:" + where);
     }
   }
-  qkv::ModelOptions mo;
-  auto wd = qkv::ParseDType(weights_dtype);
-  if (!wd.ok()) return Fail("--weights-dtype: " + wd.status().message());
-  auto kd = qkv::ParseDType(kv_dtype);
-  if (!kd.ok()) return Fail("--kv-dtype: " + kd.status().message());
-  mo.tokenizer_path = tokenizer_file;
-  mo.weights_dtype = *wd;
-  mo.kv_dtype = *kd;
-  mo.n_threads = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  mo.max_batch_tokens = max_batched;
-  mo.max_context = max_model_len;
-  mo.block_size = block_size;
-  mo.kv_cache_bytes = qkv::ModelOptions::kAutoKvBytes;
-  if (!kv_bytes_s.empty()) {
-    auto b = qkv::ParseByteSize(kv_bytes_s);
-    if (!b.ok()) return Fail("--kv-cache-bytes: " + b.status().message());
-    mo.kv_cache_bytes = *b;
-  }
-  omp_set_num_threads(mo.n_threads);
+  auto mo = ModelOptionsFrom(f);
+  if (!mo.ok()) return Fail(mo.status().message());
+  omp_set_num_threads(mo->n_threads);
   qkv::TenantQuota quota;  // every key's, unless its line in the key file says otherwise
-  quota.max_sessions = max_sessions_per_key;
-  quota.max_waiting = max_waiting_per_key > 0 ? max_waiting_per_key : max_waiting;
-  quota.max_running = max_running_per_key > 0 ? max_running_per_key : max_seqs;
-  if (auto st = qkv::server::ParsePriorityRange(priority_range, &quota.min_priority, &quota.max_priority); !st.ok()) {
-    return Fail("--priority-range: " + st.message());
-  }
   std::set<std::string> keys;
   std::map<std::string, qkv::TenantQuota> key_quotas;
-  if (!api_keys_file.empty()) {
-    std::ifstream in(api_keys_file);
-    if (!in) return Fail("--api-keys: cannot read '" + api_keys_file + "'");
-    auto parsed = qkv::server::ParseApiKeys(in, quota);
-    if (!parsed.ok()) return Fail("--api-keys: " + parsed.status().message());
-    key_quotas = std::move(*parsed);
-    for (const auto& [k, q] : key_quotas) keys.insert(k);
-    if (keys.empty()) return Fail("--api-keys: '" + api_keys_file + "' holds no key");
-  }
+  if (auto st = LoadQuotas(f, &quota, &keys, &key_quotas); !st.ok()) return Fail(st.message());
 
-  spdlog::info("loading {}", model);
-  auto loaded = qkv::Model::Load(model, mo);
+  spdlog::info("loading {}", f.model);
+  auto loaded = qkv::Model::Load(f.model, *mo);
   if (!loaded.ok()) return Fail(loaded.status().ToString());
   qkv::Model& m = **loaded;
-  std::string jinja;
-  if (auto f = qkv::GgufFile::Open(model); f.ok()) jinja = (*f)->GetStringOr("tokenizer.chat_template", "");
-  qkv::ChatTemplateKind tmpl = qkv::DetectChatTemplate(jinja);
-  if (!chat_template_s.empty()) {
-    auto t = qkv::ParseChatTemplate(chat_template_s);
-    if (!t.ok()) return Fail("--chat-template: " + t.status().message());
-    tmpl = *t;
-  }
-  const auto& kvs = m.kv().shape();
+  auto tmpl = ChatTemplateFor(f, f.model);
+  if (!tmpl.ok()) return Fail(tmpl.status().message());
+  const auto& kvs = m.cache_layout().tokens;
   spdlog::info(
       "model {}: {}; weights {:.1f} MB; KV {} per token, capacity {} blocks = {} tokens = {:.1f} MiB = {} sessions of "
       "4k tokens",
-      std::filesystem::path(model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
-      kvs.bytes_per_token(), kvs.n_blocks, kvs.n_blocks * kvs.block_size, m.kv().arena_bytes() / 1048576.0,
+      std::filesystem::path(f.model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
+      kvs.bytes_per_token(), kvs.n_blocks, kvs.n_blocks * kvs.block_size, m.cache_layout().token_bytes() / 1048576.0,
       kvs.n_blocks * kvs.block_size / 4096);
 
   qkv::EngineOptions eo;
-  eo.max_num_batched_tokens = max_batched;
-  eo.max_num_seqs = max_seqs;
-  eo.prefix_caching = !no_prefix_caching;
-  eo.default_max_tokens = default_max_tokens;
-  eo.max_waiting = max_waiting;
+  eo.max_num_batched_tokens = f.max_batched;
+  eo.max_num_seqs = f.max_seqs;
+  eo.prefix_caching = !f.no_prefix_caching;
+  eo.default_max_tokens = f.default_max_tokens;
+  eo.max_waiting = f.max_waiting;
   eo.default_quota = quota;
   eo.quotas = key_quotas;
   auto engine = qkv::Engine::Create(m, eo);
   if (!engine.ok()) return Fail(engine.status().ToString());
 
-  if (instance_id.empty()) {
+  if (f.instance_id.empty()) {
     char host[256] = {};
     gethostname(host, sizeof(host) - 1);
-    instance_id = std::string(host) + "-" + std::to_string(getpid());
+    f.instance_id = std::string(host) + "-" + std::to_string(getpid());
   }
   qkv::server::ServiceOptions so;
   so.api_keys = keys;
-  so.instance_id = instance_id;
-  so.chat_template = tmpl;
-  so.model_name = std::filesystem::path(model).stem().string();
-  so.limits = limits;
+  so.instance_id = f.instance_id;
+  so.chat_template = *tmpl;
+  so.model_name = std::filesystem::path(f.model).stem().string();
+  so.limits = f.limits;
   qkv::server::InferenceService service(**engine, so);
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  if (!tls_cert.empty() || !tls_key.empty()) {
-    bool ok1 = false, ok2 = false;
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({ReadFile(tls_key, &ok1), ReadFile(tls_cert, &ok2)});
-    if (!ok1 || !ok2) return Fail("--tls-cert and --tls-key must both be readable files");
-    creds = grpc::SslServerCredentials(ssl);
-  }
   int port = 0;
-  builder.AddListeningPort(listen, creds, &port);
-  builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) return Fail("cannot listen on --listen " + listen);
-  auto* health = server->GetHealthCheckService();
+  auto server = StartGrpc(f, service, &port);
+  if (!server.ok()) return Fail(server.status().message());
+  auto* health = (*server)->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kService, false);
 
-  auto metrics = qkv::server::MetricsServer::Start(metrics_listen, **engine, so.model_name);
+  auto metrics = qkv::server::MetricsServer::Start(f.metrics_listen, **engine, so.model_name);
   if (!metrics.ok()) return Fail(metrics.status().message());
 
   Warmup(**engine);
   health->SetServingStatus(kService, true);
-  const std::string host = listen.substr(0, listen.rfind(':'));
-  const std::string grpc_addr = host + ":" + std::to_string(port);
-  const std::string metrics_addr =
-      metrics_listen.substr(0, metrics_listen.rfind(':')) + ":" + std::to_string((*metrics)->port());
-  spdlog::info("ready: gRPC on {}, metrics on http://{}/metrics, instance {}", grpc_addr, metrics_addr, instance_id);
-  if (!ready_file.empty()) WriteReadyFile(ready_file, grpc_addr, metrics_addr, instance_id);
+  const std::string grpc_addr = WithPort(f.listen, port);
+  const std::string metrics_addr = WithPort(f.metrics_listen, (*metrics)->port());
+  spdlog::info("ready: gRPC on {}, metrics on http://{}/metrics, instance {}", grpc_addr, metrics_addr, f.instance_id);
+  if (!f.ready_file.empty()) WriteReadyFile(f.ready_file, grpc_addr, metrics_addr, f.instance_id);
 
   signals.SetServing();
-  auto watchdog = std::make_unique<LivenessWatchdog>(**engine, *health, liveness_timeout);
+  auto watchdog = std::make_unique<LivenessWatchdog>(**engine, *health, f.liveness_timeout);
   const int sig = signals.WaitForDrain();
-  spdlog::info("signal {}: draining (readiness NOT_SERVING, new requests refused, {} s grace)", sig, drain_grace);
+  spdlog::info("signal {}: draining (readiness NOT_SERVING, new requests refused, {} s grace)", sig, f.drain_grace);
   service.StartDraining();
   health->SetServingStatus(kService, false);
-  WaitForIdle(**engine, drain_grace);
+  WaitForIdle(**engine, f.drain_grace);
   watchdog.reset();
   (*engine)->Shutdown();  // cancels whatever is still running
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  server->Wait();
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  (*server)->Wait();
   // Dependency order: the metrics exposer reads the engine, so it stops first.
   metrics->reset();
   engine->reset();

@@ -11,7 +11,7 @@ namespace qkv::server {
 MemoryBreakdown MeasureMemory(const Model& model) {
   MemoryBreakdown m;
   m.weights = static_cast<int64_t>(model.weight_bytes());
-  m.kv_arena = model.kv().arena_bytes();
+  m.kv_arena = model.cache_layout().bytes();  // the stores the scheduler allocated from this layout
   m.scratch = static_cast<int64_t>(model.scratch_bytes());
   const struct mallinfo2 mi = mallinfo2();
   // The allocator's footprint: arena space obtained from the system (in use or free) plus mmapped chunks.

@@ -515,11 +515,11 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_intermediate_size(c.ffn);
   resp->set_vocab_size(c.vocab);
   resp->set_attention(c.AttentionKind());
-  resp->set_kv_bytes_per_token(m.kv().shape().bytes_per_token());
+  resp->set_kv_bytes_per_token(m.cache_layout().tokens.bytes_per_token());
   resp->set_context_length(m.max_context());
   const EngineStats s = engine_.Stats();
   resp->set_kv_cache_tokens(s.tokens_capacity);
-  resp->set_kv_cache_bytes(m.kv().arena_bytes());
+  resp->set_kv_cache_bytes(m.cache_layout().token_bytes());
   resp->set_block_size(s.block_size);
   resp->set_weights_dtype(DTypeName(m.options().weights_dtype));
   resp->set_kv_dtype(DTypeName(m.options().kv_dtype));

@@ -15,14 +15,19 @@
 namespace qkv {
 namespace {
 
-// Tests drive Model::Forward directly, without a scheduler: one block pool per loaded model over its
-// arena (a new model may reuse a freed one's address, so Load replaces the entry).
-std::map<const Model*, std::unique_ptr<KvBlockPool>>& Pools() {
-  static std::map<const Model*, std::unique_ptr<KvBlockPool>> pools;
-  return pools;
+// Tests drive Model::Forward directly, without a scheduler: cache stores and a block pool of their own per
+// loaded model (a new model may reuse a freed one's address, so Load replaces the entry).
+struct TestCache {
+  std::unique_ptr<CacheStores> stores;
+  std::unique_ptr<KvBlockPool> pool;
+};
+std::map<const Model*, TestCache>& Caches() {
+  static std::map<const Model*, TestCache> caches;
+  return caches;
 }
 
-KvBlockPool& PoolFor(Model& m) { return *Pools().at(&m); }
+KvBlockPool& PoolFor(Model& m) { return *Caches().at(&m).pool; }
+CacheStores& CacheFor(Model& m) { return *Caches().at(&m).stores; }
 
 std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batch = 256, int64_t blocks = 0) {
   ModelOptions mo;
@@ -34,7 +39,11 @@ std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batc
   auto m = Model::Load(path, mo);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   if (!m.ok()) return nullptr;
-  Pools()[m->get()] = std::make_unique<KvBlockPool>((*m)->kv().shape().n_blocks, mo.block_size);
+  auto stores = CacheStores::Create((*m)->cache_layout());
+  EXPECT_TRUE(stores.ok()) << stores.status().ToString();
+  if (!stores.ok()) return nullptr;
+  Caches()[m->get()] = {std::move(*stores),
+                        std::make_unique<KvBlockPool>((*m)->cache_layout().tokens.n_blocks, mo.block_size)};
   return std::move(*m);
 }
 
@@ -47,7 +56,7 @@ std::vector<float> Feed(Model& m, SeqKv& seq, const std::vector<int>& tokens, bo
   for (size_t i = 0; i < tokens.size(); i += chunk) {
     const size_t n = std::min<size_t>(chunk, tokens.size() - i);
     BatchChunk ch{&seq, std::span<const int>(tokens.data() + i, n), all};
-    const Status s = m.Forward(std::span<const BatchChunk>(&ch, 1));
+    const Status s = m.Forward(std::span<const BatchChunk>(&ch, 1), CacheFor(m));
     EXPECT_TRUE(s.ok()) << s.ToString();
     if (all || i + n == tokens.size())
       out.insert(out.end(), m.logits(), m.logits() + static_cast<size_t>(m.logits_rows()) * V);
@@ -135,11 +144,11 @@ TEST_P(ModelArchTest, ChunkingAndBatchCompositionDoNotChangeBits) {
     ASSERT_TRUE(ReserveBlocks(y, 150, m->options().block_size, PoolFor(*m)).ok());
     ASSERT_TRUE(ReserveBlocks(z, 5, m->options().block_size, PoolFor(*m)).ok());
     BatchChunk b[3] = {{&x, px, false}, {&y, std::span<const int>(p.data(), 100), true}, {&z, pz, true}};
-    ASSERT_TRUE(m->Forward(b).ok());
+    ASSERT_TRUE(m->Forward(b, CacheFor(*m)).ok());
     std::vector<float> got(m->logits() + V, m->logits() + 101 * static_cast<size_t>(V));
     BatchChunk b2[2] = {{&z, std::span<const int>(pz.data(), 1), false},
                         {&y, std::span<const int>(p.data() + 100, 50), true}};
-    ASSERT_TRUE(m->Forward(b2).ok());
+    ASSERT_TRUE(m->Forward(b2, CacheFor(*m)).ok());
     got.insert(got.end(), m->logits() + V, m->logits() + 51 * static_cast<size_t>(V));
     ASSERT_EQ(got.size(), whole.size());
     EXPECT_EQ(0, std::memcmp(whole.data(), got.data(), whole.size() * sizeof(float))) << DTypeName(dt);
@@ -165,7 +174,7 @@ TEST(Model, LayerKindsAndOneCacheAccounting) {
   }
   const CacheSpec spec = m->cache_spec();
   EXPECT_EQ(spec.bytes_per_token, int64_t{cfg.n_layers} * 2 * cfg.n_kv_heads * cfg.head_dim * 4);  // f32 KV
-  EXPECT_EQ(spec.bytes_per_token, m->kv().shape().bytes_per_token());
+  EXPECT_EQ(spec.bytes_per_token, m->cache_layout().tokens.bytes_per_token());
   EXPECT_EQ(spec.state_bytes_per_seq, 0);
   EXPECT_EQ(FindLayerKind("no_such_kind").status().code(), StatusCode::kInternal);
 }
@@ -177,7 +186,7 @@ TEST(Model, ValuesAreNotRotated) {
   ASSERT_TRUE(m);
   SeqKv s;
   Feed(*m, s, std::vector<int>(20, 42), false);
-  const KvCache& kv = m->kv();
+  const KvCache& kv = CacheFor(*m).tokens();
   const int bs = m->options().block_size, hd = cfg.head_dim;
   // V rows are [slot][head_dim]; K is stored transposed per block ([head_dim][slot]).
   auto row = [&](bool k, int pos) {
@@ -201,16 +210,16 @@ TEST(Model, RejectsBadBatches) {
   std::vector<int> bad = {1, cfg.vocab};
   ASSERT_TRUE(ReserveBlocks(s, 40, 16, PoolFor(*m)).ok());
   BatchChunk ch{&s, bad, false};
-  Status st = m->Forward(std::span<const BatchChunk>(&ch, 1));
+  Status st = m->Forward(std::span<const BatchChunk>(&ch, 1), CacheFor(*m));
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("out of vocabulary"), std::string::npos);
   std::vector<int> many(17, 1);
   ch.tokens = many;
-  EXPECT_EQ(m->Forward(std::span<const BatchChunk>(&ch, 1)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->Forward(std::span<const BatchChunk>(&ch, 1), CacheFor(*m)).code(), StatusCode::kInvalidArgument);
   SeqKv unreserved;
   std::vector<int> one = {1};
   BatchChunk ch2{&unreserved, one, false};
-  EXPECT_EQ(m->Forward(std::span<const BatchChunk>(&ch2, 1)).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m->Forward(std::span<const BatchChunk>(&ch2, 1), CacheFor(*m)).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(s.n_tokens, 0);  // nothing was applied
 }
 

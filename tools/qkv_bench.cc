@@ -98,7 +98,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   qkv::Model& m = **loaded;
-  qkv::KvBlockPool pool(m.kv().shape().n_blocks, m.options().block_size);
+  auto cache = qkv::CacheStores::Create(m.cache_layout());
+  if (!cache.ok()) {
+    std::fprintf(stderr, "qkv-bench: %s\n", cache.status().ToString().c_str());
+    return 1;
+  }
+  qkv::KvBlockPool pool(m.cache_layout().tokens.n_blocks, m.options().block_size);
   const double load_s = Since(tl);
   const int V = m.config().vocab;
   std::printf("model: %s\n", m.config().Summary().c_str());
@@ -121,7 +126,7 @@ int main(int argc, char** argv) {
     m.set_profiling(profile);
     auto t0 = Clock::now();
     qkv::BatchChunk ch{&seq, tokens, false};
-    if (auto s = m.Forward(std::span<const qkv::BatchChunk>(&ch, 1)); !s.ok()) {
+    if (auto s = m.Forward(std::span<const qkv::BatchChunk>(&ch, 1), **cache); !s.ok()) {
       std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
       return 1;
     }
@@ -135,7 +140,7 @@ int main(int argc, char** argv) {
     t0 = Clock::now();
     for (int i = 0; i < gen; ++i) {
       qkv::BatchChunk d{&seq, std::span<const int>(&next, 1), false};
-      if (!m.Forward(std::span<const qkv::BatchChunk>(&d, 1)).ok()) return 1;
+      if (!m.Forward(std::span<const qkv::BatchChunk>(&d, 1), **cache).ok()) return 1;
       next = qkv::ArgMax(m.logits(), V);
     }
     const double dec = Since(t0);

@@ -42,8 +42,8 @@ qkv::StatusOr<std::vector<int>> ParseIds(const std::string& s) {
 }
 
 // Prefills `tokens` into seq in chunks of the batch limit; with all_logits, copies every row out.
-qkv::Status Prefill(qkv::Model& m, qkv::KvBlockPool& pool, qkv::SeqKv& seq, const std::vector<int>& tokens,
-                    bool all_logits, std::vector<float>* rows_out) {
+qkv::Status Prefill(qkv::Model& m, qkv::CacheStores& cache, qkv::KvBlockPool& pool, qkv::SeqKv& seq,
+                    const std::vector<int>& tokens, bool all_logits, std::vector<float>* rows_out) {
   const int bs = m.options().max_batch_tokens;
   const int vocab = m.config().vocab;
   QKV_RETURN_IF_ERROR(
@@ -51,7 +51,7 @@ qkv::Status Prefill(qkv::Model& m, qkv::KvBlockPool& pool, qkv::SeqKv& seq, cons
   for (size_t i = 0; i < tokens.size(); i += bs) {
     const size_t n = std::min<size_t>(bs, tokens.size() - i);
     qkv::BatchChunk ch{&seq, std::span<const int>(tokens.data() + i, n), all_logits};
-    QKV_RETURN_IF_ERROR(m.Forward(std::span<const qkv::BatchChunk>(&ch, 1)));
+    QKV_RETURN_IF_ERROR(m.Forward(std::span<const qkv::BatchChunk>(&ch, 1), cache));
     if (rows_out && all_logits)
       rows_out->insert(rows_out->end(), m.logits(), m.logits() + static_cast<size_t>(m.logits_rows()) * vocab);
   }
@@ -122,8 +122,11 @@ int main(int argc, char** argv) {
   auto loaded = qkv::Model::Load(model, mo);
   if (!loaded.ok()) return Fail(loaded.status());
   qkv::Model& m = **loaded;
-  // One sequence, no scheduler: a pool over the model's KV arena of its own.
-  qkv::KvBlockPool pool(m.kv().shape().n_blocks, m.options().block_size);
+  // One sequence, no scheduler: the cache stores and a pool over their blocks of its own.
+  auto cache_or = qkv::CacheStores::Create(m.cache_layout());
+  if (!cache_or.ok()) return Fail(cache_or.status());
+  qkv::CacheStores& cache = **cache_or;
+  qkv::KvBlockPool pool(m.cache_layout().tokens.n_blocks, m.options().block_size);
   const qkv::Tokenizer& tok = m.tokenizer();
   const int vocab = m.config().vocab;
 
@@ -162,7 +165,7 @@ int main(int argc, char** argv) {
   qkv::SeqKv seq;
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<float> prompt_logits;
-  qkv::Status s = Prefill(m, pool, seq, tokens, !logits_out.empty(), &prompt_logits);
+  qkv::Status s = Prefill(m, cache, pool, seq, tokens, !logits_out.empty(), &prompt_logits);
   if (!s.ok()) return Fail(s);
   std::vector<float> last(m.logits() + static_cast<size_t>(m.logits_rows() - 1) * vocab,
                           m.logits() + static_cast<size_t>(m.logits_rows()) * vocab);
@@ -195,9 +198,9 @@ int main(int argc, char** argv) {
     if (step.finish != qkv::FinishReason::kNone) break;
     if (no_cache) {
       qkv::ReleaseBlocks(seq, pool);
-      s = Prefill(m, pool, seq, all, false, nullptr);
+      s = Prefill(m, cache, pool, seq, all, false, nullptr);
     } else {
-      s = Prefill(m, pool, seq, {step.token}, false, nullptr);
+      s = Prefill(m, cache, pool, seq, {step.token}, false, nullptr);
     }
     if (!s.ok()) return Fail(s);
     last.assign(m.logits(), m.logits() + vocab);

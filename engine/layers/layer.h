@@ -70,8 +70,9 @@ struct LayerScratch {
   float *h = nullptr, *qkv = nullptr, *attn = nullptr, *tmp = nullptr, *gu = nullptr, *act = nullptr;
   float* attn_per_thread = nullptr;  // n_threads × attn_stride floats
   size_t attn_stride = 0;
-  uint16_t* bf16_in = nullptr;  // activations rounded to bf16 for layers whose GEMM takes bf16
-  KvCache* kv = nullptr;        // the paged token store (layers that cache per token use their kv_layer)
+  uint16_t* bf16_in = nullptr;   // activations rounded to bf16 for layers whose GEMM takes bf16
+  KvCache* kv = nullptr;         // the paged token store (layers that cache per token use their kv_layer)
+  StateStore* states = nullptr;  // per-sequence state slots (layers that keep state use seq->state_slot)
   int n_threads = 1;
   PhaseTimer* timer = nullptr;
   ForwardProfile* profile = nullptr;
