@@ -70,7 +70,7 @@ Engine::~Engine() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   // Run anything posted after the loop ended so no caller waits forever.
-  for (auto& fn : commands_) fn();
+  for (auto& c : commands_) c.fn();
   for (auto& [id, s] : seqs_) scheduler_.Release(s->ctx.kv);
   for (auto& [key, s] : sessions_) scheduler_.Release(s->ctx.kv);
 }
@@ -78,7 +78,7 @@ Engine::~Engine() {
 void Engine::Post(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    commands_.push_back(std::move(fn));
+    commands_.push_back({std::move(fn), Clock::now()});
   }
   cv_.notify_all();
 }
@@ -157,7 +157,7 @@ void Engine::Shutdown() {
 
 void Engine::Loop() {
   for (;;) {
-    std::deque<std::function<void()>> cmds;
+    std::deque<Command> cmds;
     {
       std::unique_lock<std::mutex> l(mu_);
       const bool idle = scheduler_.idle();
@@ -168,7 +168,11 @@ void Engine::Loop() {
       }
       cmds.swap(commands_);
     }
-    for (auto& fn : cmds) RunCommand(fn);
+    const auto now = Clock::now();
+    for (auto& c : cmds) {
+      counters_.command_wait.Observe(std::chrono::duration<double>(now - c.posted).count());
+      RunCommand(c.fn);
+    }
     ExpireSessions();
     try {
       Step();
@@ -583,7 +587,11 @@ StatusOr<SessionInfo> Engine::CreateSession(const std::string& ns, const std::st
 StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
                                               std::vector<int> initial_tokens) {
   QKV_RETURN_IF_ERROR(CheckId("session_id", id));
-  if (!(ttl_s >= 0)) return InvalidArgument("ttl must not be negative");
+  // Bounded so that now + ttl is representable (an infinite or 1e30 s TTL overflowed the deadline).
+  constexpr double kMaxTtl = 10.0 * 365 * 24 * 3600;
+  if (!(ttl_s >= 0 && ttl_s <= kMaxTtl)) {
+    return InvalidArgument("ttl_seconds must be in 0..315360000 (ten years; 0: never expires)");
+  }
   QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_tokens"));
   if (static_cast<int>(initial_tokens.size()) >= model_.max_context()) {
     return InvalidArgument("initial_tokens (" + std::to_string(initial_tokens.size()) +
@@ -655,7 +663,10 @@ StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::st
   s->ns = ns;
   s->ns_id = p->ns_id;
   s->affinity_key = p->affinity_key;
-  s->ctx = p->ctx;  // shares the parent's blocks, copy-on-write
+  s->ctx = p->ctx;  // shares the parent's blocks, copy-on-write; its state (if any) is copied
+  if (!scheduler_.CopyState(p->ctx.kv, s->ctx.kv)) {
+    return ResourceExhausted("no free state slot for the fork of session '" + parent + "'");
+  }
   for (int b : s->ctx.kv.blocks) scheduler_.pool().Ref(b);
   s->ttl_s = p->ttl_s;
   s->priority = p->priority;
@@ -785,6 +796,28 @@ std::string Engine::CheckConsistency() {
         return "block " + std::to_string(b) + " has ref_count " + std::to_string(pool.ref_count(static_cast<int>(b))) +
                " but " + std::to_string(refs[b]) + " owners";
       }
+    }
+    // State slots: each in-use slot has exactly one owner, and no owner holds a free slot.
+    const StateStore& states = scheduler_.cache().states();
+    std::vector<int> slot_owners(static_cast<size_t>(states.n_slots()), 0);
+    int owned = 0;
+    auto own = [&](const CachedTokens& c, const std::string& who) -> std::string {
+      if (c.kv.state_slot < 0) return "";
+      if (!states.in_use(c.kv.state_slot))
+        return who + " holds state slot " + std::to_string(c.kv.state_slot) + ", which is free";
+      if (++slot_owners[c.kv.state_slot] > 1)
+        return "state slot " + std::to_string(c.kv.state_slot) + " has two owners";
+      ++owned;
+      return "";
+    };
+    for (const auto& [id, q] : seqs_) {
+      if (auto e = own(q->ctx, "request " + q->params.request_id); !e.empty()) return e;
+    }
+    for (const auto& [key, ss] : sessions_) {
+      if (auto e = own(ss->ctx, "session " + ss->id); !e.empty()) return e;
+    }
+    if (owned != states.used_slots()) {
+      return std::to_string(states.used_slots()) + " state slots in use but " + std::to_string(owned) + " owned";
     }
     return std::string();
   });

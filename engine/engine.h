@@ -109,6 +109,8 @@ struct EngineStats {
   Histogram queue{{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30}};
   Histogram step{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
   Histogram batch_tokens{{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048}};
+  // How long a posted command (a submit, a session call) waits for the engine thread.
+  Histogram command_wait{{0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
 };
 
 class Engine {
@@ -213,7 +215,11 @@ class Engine {
 
   std::mutex mu_;  // guards commands_ and stop_
   std::condition_variable cv_;
-  std::deque<std::function<void()>> commands_;
+  struct Command {
+    std::function<void()> fn;
+    Clock::time_point posted;
+  };
+  std::deque<Command> commands_;
   bool stop_ = false;
   std::atomic<bool> accepting_{true};
 

@@ -35,7 +35,9 @@ bool RequestStream::TryNext(StreamEvent* out) {
 }
 
 void RequestStream::SetListener(std::function<void()> fn) {
-  std::lock_guard<std::mutex> l(listener_mu_);
+  std::unique_lock<std::mutex> l(listener_mu_);
+  // A call on this very thread (the listener itself detaching) cannot be waited for.
+  listener_cv_.wait(l, [&] { return !listener_running_ || listener_thread_ == std::this_thread::get_id(); });
   listener_ = std::move(fn);
 }
 
@@ -47,8 +49,22 @@ void RequestStream::Push(StreamEvent e) {
     events_.push_back(std::move(e));
   }
   cv_.notify_all();
-  std::lock_guard<std::mutex> l(listener_mu_);
-  if (listener_) listener_();
+  // The listener runs outside listener_mu_ (one lock order: a consumer's lock, then the stream's); a
+  // concurrent SetListener waits until it returns.
+  std::function<void()> fn;
+  {
+    std::lock_guard<std::mutex> l(listener_mu_);
+    if (!listener_) return;
+    fn = listener_;
+    listener_running_ = true;
+    listener_thread_ = std::this_thread::get_id();
+  }
+  fn();
+  {
+    std::lock_guard<std::mutex> l(listener_mu_);
+    listener_running_ = false;
+  }
+  listener_cv_.notify_all();
 }
 
 }  // namespace qkv

@@ -9,6 +9,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -83,7 +84,9 @@ class RequestStream {
   // The next event if one is ready; never blocks.
   bool TryNext(StreamEvent* out);
   // Called (on the engine thread) after every Push, for consumers that must not block, such as gRPC
-  // reactors. nullptr detaches; once SetListener returns, no call to the old listener is running.
+  // reactors. nullptr detaches; once SetListener returns, no call to the old listener is running (it
+  // waits for one in progress on another thread). The listener runs without the stream's locks held, so
+  // a consumer may hold its own lock while calling SetListener and take it again inside the listener.
   void SetListener(std::function<void()> fn);
 
   void Push(StreamEvent e);  // engine side
@@ -96,7 +99,10 @@ class RequestStream {
   std::deque<StreamEvent> events_;
   bool final_pushed_ = false;
   std::mutex listener_mu_;
+  std::condition_variable listener_cv_;
   std::function<void()> listener_;
+  bool listener_running_ = false;  // a call is in progress (on listener_thread_)
+  std::thread::id listener_thread_;
 };
 
 }  // namespace qkv

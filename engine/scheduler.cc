@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace qkv {
 
@@ -13,6 +14,17 @@ void Scheduler::Release(SeqKv& kv) {
   ReleaseBlocks(kv, pool_);
   if (kv.state_slot >= 0) cache_->states().Release(kv.state_slot);
   kv.state_slot = -1;
+}
+
+bool Scheduler::CopyState(const SeqKv& from, SeqKv& to) {
+  to.state_slot = -1;
+  if (from.state_slot < 0) return true;
+  StateStore& st = cache_->states();
+  const int slot = st.Allocate();
+  if (slot < 0) return false;
+  std::memcpy(st.Slot(slot), st.Slot(from.state_slot), static_cast<size_t>(st.bytes_per_slot()));
+  to.state_slot = slot;
+  return true;
 }
 
 void Scheduler::Truncate(CachedTokens& ctx, int n) {

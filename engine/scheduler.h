@@ -60,6 +60,9 @@ class Scheduler {
 
   // Gives back everything kv holds (blocks, state slot) and empties it.
   void Release(SeqKv& kv);
+  // A fork's copy of a context's state: `to` (which shares `from`'s blocks) gets a slot of its own holding
+  // the same state. False when no slot is free. Without state, nothing to do.
+  bool CopyState(const SeqKv& from, SeqKv& to);
   // Truncates cached tokens to n (tokens, KV and known hashes), dropping block references past the end.
   // State summarizes every token, so a context that keeps state and is cut below what it computed starts
   // over (its KV and state are released; it recomputes).

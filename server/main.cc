@@ -185,6 +185,7 @@ struct Flags {
   std::string priority_range = "0..0";
   double liveness_timeout = 60;
   qkv::RequestLimits limits;
+  bool debug_accounting = false;
 };
 
 void AddFlags(CLI::App& app, Flags& f) {
@@ -243,6 +244,8 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "liveness (health service \"\") turns NOT_SERVING when the engine thread makes no progress this long")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_flag("--debug-accounting", f.debug_accounting,
+               "serve /debug/accounting on the metrics port: the engine's block and state accounting check (tests)");
   qkv::RequestLimits& l = f.limits;
   app.add_option("--max-prompt-bytes", l.max_prompt_bytes, "bytes of prompt text (or of all messages)")
       ->capture_default_str()
@@ -424,7 +427,8 @@ int main(int argc, char** argv) {
   health->SetServingStatus("", true);
   health->SetServingStatus(kService, false);
 
-  auto metrics = qkv::server::MetricsServer::Start(f.metrics_listen, **engine, so.model_name);
+  auto metrics = qkv::server::MetricsServer::Start(f.metrics_listen, **engine, so.model_name,
+                                                   f.debug_accounting ? engine->get() : nullptr);
   if (!metrics.ok()) return Fail(metrics.status().message());
 
   Warmup(**engine);

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "server/memory.h"
+#include "server/service.h"
 
 namespace qkv::server {
 namespace {
@@ -102,6 +103,8 @@ class EngineCollectable final : public prometheus::Collectable {
     counter("qkvserve_preemptions_total", "running requests preempted by recompute", {{"", d(s.preemptions)}});
     gauge("qkvserve_requests", "requests by state",
           {{"running", d(s.requests_running)}, {"waiting", d(s.requests_waiting)}}, "state");
+    gauge("qkvserve_grpc_live_reactors", "Generate and Complete calls in progress (their reactors alive)",
+          {{"", d(LiveStreamReactors())}});
     counter("qkvserve_requests_finished_total", "finished requests by reason",
             {{"stop", d(s.finished_stop)},
              {"length", d(s.finished_length)},
@@ -118,6 +121,8 @@ class EngineCollectable final : public prometheus::Collectable {
     AddHistogram(out, "qkvserve_queue_time_seconds", "submit to first scheduled", s.queue);
     AddHistogram(out, "qkvserve_step_duration_seconds", "engine step (forward pass and sampling)", s.step);
     AddHistogram(out, "qkvserve_batch_size_tokens", "tokens per engine step", s.batch_tokens);
+    AddHistogram(out, "qkvserve_command_wait_seconds",
+                 "time a command (submit, session call) waits for the engine thread", s.command_wait);
     gauge("qkvserve_memory_bytes", "resident memory by owner",
           {{"weights", d(mem.weights)},
            {"kv_arena", d(mem.kv_arena)},
@@ -142,10 +147,31 @@ class EngineCollectable final : public prometheus::Collectable {
   std::string model_;
 };
 
+// /debug/accounting: the engine's consistency check, run on the engine thread at scrape time.
+class AccountingCollectable final : public prometheus::Collectable {
+ public:
+  explicit AccountingCollectable(Engine& engine) : engine_(engine) {}
+  std::vector<MetricFamily> Collect() const override {
+    const std::string err = engine_.CheckConsistency();
+    MetricFamily f = Family("qkvserve_debug_accounting_errors",
+                            "1 when the engine's block or state accounting is inconsistent (label: the first error)",
+                            MetricType::Gauge);
+    if (err.empty()) {
+      Add(f, 0);
+    } else {
+      Add(f, 1, {{"error", err}});
+    }
+    return {f};
+  }
+
+ private:
+  Engine& engine_;
+};
+
 }  // namespace
 
 StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& listen, const Engine& engine,
-                                                              const std::string& model_name) {
+                                                              const std::string& model_name, Engine* accounting) {
   auto m = std::unique_ptr<MetricsServer>(new MetricsServer());
   try {
     m->exposer_ = std::make_unique<prometheus::Exposer>(listen, 2);
@@ -155,6 +181,11 @@ StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string&
   auto coll = std::make_shared<EngineCollectable>(engine, model_name);
   m->exposer_->RegisterCollectable(coll);
   m->collectable_ = coll;
+  if (accounting) {
+    auto acc = std::make_shared<AccountingCollectable>(*accounting);
+    m->exposer_->RegisterCollectable(acc, "/debug/accounting");
+    m->accounting_ = acc;
+  }
   const auto ports = m->exposer_->GetListeningPorts();
   m->port_ = ports.empty() ? 0 : ports.front();
   return m;

@@ -1,11 +1,13 @@
 #include "server/service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <mutex>
 
 #include "engine/utf8.h"
 #include "server/memory.h"
+#include "server/tsan_handoff.h"
 
 namespace qkv::server {
 namespace pb = qkvserve::v1;
@@ -80,31 +82,41 @@ StatusOr<GenerateParams> PrepareRequest(InferenceService* svc, grpc::CallbackSer
   return params;
 }
 
+// Generate and Complete reactors alive (created, not yet OnDone): a leak shows as a count that never
+// returns to zero (qkvserve_grpc_live_reactors).
+std::atomic<int64_t> g_live_reactors{0};
+
 // One streaming Generate: engine events are pumped into gRPC writes, one write in flight at a time.
 // The constructor never waits: the engine accepts or refuses the request in a callback on its thread
 // (OnAccepted). The reactor is not finished before that callback has run, so it outlives it. The engine
 // thread wakes the pump through the stream's listener; gRPC wakes it on write completion.
+// Once Finish (or StartWriteAndFinish) is called, gRPC may run OnDone, which deletes the reactor, on
+// another thread at once: every path decides under mu_, releases it, and only then finishes, touching
+// nothing afterwards (TSan found the unlock of a mutex already deleted).
 class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
   GenerateReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req) {
+    g_live_reactors.fetch_add(1);
     auto params = PrepareRequest(svc, ctx, *req, &prompt_);
     if (!params.ok()) {
       FinishNow(ToGrpc(params.status()));
       return;
     }
+    HandOff(this);
     svc->engine().Submit(std::move(*params), [this](Engine::StreamOrError r) { OnAccepted(std::move(r)); });
   }
 
   void OnWriteDone(bool ok) override {
+    Received(this);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      std::unique_lock<std::mutex> l(mu_);
       writing_ = false;
       if (!ok) {  // the client went away
         if (stream_) stream_->Cancel();
-        if (!done_) {
-          done_ = true;
-          Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
-        }
+        if (done_) return HandOff(this);
+        done_ = true;
+        l.unlock();
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
         return;
       }
     }
@@ -112,26 +124,43 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   }
 
   void OnCancel() override {  // client cancel, dropped stream or deadline
-    std::lock_guard<std::mutex> l(mu_);
+    Received(this);
+    std::unique_lock<std::mutex> l(mu_);
     cancelled_ = true;
-    if (!accepted_) return;  // OnAccepted finishes the call
+    if (!accepted_) return HandOff(this);  // OnAccepted finishes the call
     if (stream_) stream_->Cancel();
-    if (!done_ && !writing_) {
-      done_ = true;
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-    }
+    if (done_ || writing_) return HandOff(this);
+    done_ = true;
+    l.unlock();
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
   }
 
   void OnDone() override {
+    Received(this);
     if (stream_) {
       stream_->SetListener(nullptr);
       stream_->Cancel();  // no-op if it already ended
     }
+    g_live_reactors.fetch_sub(1);
     delete this;
   }
 
  private:
-  void FinishNow(const grpc::Status& s) {
+  // gRPC's calls that hand the reactor over, each after HandOff (tsan_handoff.h).
+  using Base = grpc::ServerWriteReactor<pb::GenerateResponse>;
+  void Finish(grpc::Status s) {
+    HandOff(this);
+    Base::Finish(std::move(s));
+  }
+  void StartWrite(const pb::GenerateResponse* r) {
+    HandOff(this);
+    Base::StartWrite(r);
+  }
+  void StartWriteAndFinish(const pb::GenerateResponse* r, grpc::WriteOptions o, grpc::Status s) {
+    HandOff(this);
+    Base::StartWriteAndFinish(r, o, std::move(s));
+  }
+  void FinishNow(const grpc::Status& s) {  // in the constructor, before gRPC has the reactor
     done_ = true;
     Finish(s);
   }
@@ -139,28 +168,34 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   // On the engine thread: the request was queued (or refused). No event can have been pushed yet (pushes
   // happen on this thread, in later steps), so attaching the listener is enough; calling Pump here could
   // race with a cancel that finishes and deletes the reactor. SetListener under mu_ cannot deadlock: the
-  // listener only runs on this thread.
+  // stream calls the listener (which takes mu_) without holding any of its own locks.
   void OnAccepted(Engine::StreamOrError r) {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
     accepted_ = true;
+    grpc::Status end;
     if (!r.ok()) {
-      FinishNow(ToGrpc(r.status()));
-      return;
-    }
-    stream_ = *r;
-    if (cancelled_) {
+      end = ToGrpc(r.status());
+    } else {
+      stream_ = *r;
+      if (!cancelled_) {
+        stream_->SetListener([this] { Pump(); });
+        return;
+      }
       stream_->Cancel();
-      FinishNow(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-      return;
+      end = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     }
-    stream_->SetListener([this] { Pump(); });
+    done_ = true;
+    l.unlock();
+    Finish(end);
   }
 
+  // Runs on the engine thread (the stream's listener) or after a write (gRPC's thread). OnDone's
+  // SetListener(nullptr) waits for a listener call to return, so the reactor outlives this call either way.
   void Pump() {
-    std::lock_guard<std::mutex> l(mu_);
-    if (writing_ || done_) return;
+    std::unique_lock<std::mutex> l(mu_);
+    if (writing_ || done_) return HandOff(this);
     StreamEvent e;
-    if (!stream_->TryNext(&e)) return;
+    if (!stream_->TryNext(&e)) return HandOff(this);
     resp_.Clear();
     if (first_) {
       resp_.set_request_id(stream_->request_id());
@@ -168,17 +203,19 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     }
     if (e.final && e.finish == FinishReason::kError) {
       done_ = true;
+      l.unlock();
       Finish(ToGrpc(e.error));
       return;
     }
     AppendEvent(e, prompt_, &resp_);
-    writing_ = true;
-    if (e.final) {
-      done_ = true;
-      StartWriteAndFinish(&resp_, grpc::WriteOptions(), grpc::Status::OK);
-    } else {
-      StartWrite(&resp_);
+    writing_ = true;  // resp_ stays untouched until OnWriteDone clears this
+    if (!e.final) {
+      StartWrite(&resp_);  // under mu_: a write cannot end the call, and it orders resp_'s serialization
+      return;
     }
+    done_ = true;
+    l.unlock();
+    StartWriteAndFinish(&resp_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
   std::mutex mu_;
@@ -198,34 +235,46 @@ class CompleteReactor final : public grpc::ServerUnaryReactor {
   CompleteReactor(InferenceService* svc, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req,
                   pb::CompleteResponse* resp)
       : resp_(resp) {
+    g_live_reactors.fetch_add(1);
     auto params = PrepareRequest(svc, ctx, *req, &prompt_);
     if (!params.ok()) {
       finished_ = true;
       Finish(ToGrpc(params.status()));
       return;
     }
+    HandOff(this);
     svc->engine().Submit(std::move(*params), [this](Engine::StreamOrError r) { OnAccepted(std::move(r)); });
   }
   void OnCancel() override {
+    Received(this);
     std::lock_guard<std::mutex> l(mu_);
     cancelled_ = true;
     if (stream_) stream_->Cancel();  // the engine ends it; Drain finishes the call
+    HandOff(this);
   }
   void OnDone() override {
+    Received(this);
     if (stream_) {
       stream_->SetListener(nullptr);
       stream_->Cancel();
     }
+    g_live_reactors.fetch_sub(1);
     delete this;
   }
 
  private:
+  void Finish(grpc::Status s) {  // after HandOff (tsan_handoff.h)
+    HandOff(this);
+    grpc::ServerUnaryReactor::Finish(std::move(s));
+  }
   // On the engine thread: the request was queued (or refused); until then the call is not finished.
   // As in GenerateReactor, no event exists yet, so attaching the listener is enough.
+  // As in GenerateReactor, Finish comes last, after mu_ is released.
   void OnAccepted(Engine::StreamOrError r) {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
     if (!r.ok()) {
       finished_ = true;
+      l.unlock();
       Finish(ToGrpc(r.status()));
       return;
     }
@@ -236,18 +285,21 @@ class CompleteReactor final : public grpc::ServerUnaryReactor {
   }
 
   void Drain() {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
     StreamEvent e;
     while (!finished_ && stream_->TryNext(&e)) {
       if (e.final && e.finish == FinishReason::kError) {
         finished_ = true;
+        l.unlock();
         Finish(ToGrpc(e.error));
         return;
       }
       AppendEvent(e, prompt_, resp_);
       if (e.final) {
         finished_ = true;
+        l.unlock();
         Finish(grpc::Status::OK);
+        return;
       }
     }
   }
@@ -274,6 +326,8 @@ Engine::Done<StatusOr<SessionInfo>> SessionDone(grpc::ServerUnaryReactor* reacto
 }
 
 }  // namespace
+
+int64_t LiveStreamReactors() { return g_live_reactors.load(); }
 
 InferenceService::InferenceService(Engine& engine, ServiceOptions opt) : engine_(engine), opt_(std::move(opt)) {}
 

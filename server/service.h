@@ -22,6 +22,8 @@ struct ServiceOptions {
 };
 
 grpc::Status ToGrpc(const Status& s);
+// Generate and Complete calls whose reactor is alive (leak checks; qkvserve_grpc_live_reactors).
+int64_t LiveStreamReactors();
 
 class InferenceService final : public qkvserve::v1::Inference::CallbackService {
  public:

@@ -47,4 +47,30 @@ t2=$("${q[@]}" generate --session d1 -p " and" -n 4)
 # Captured first: with pipefail, `curl | grep -q` can fail on SIGPIPE when grep stops reading early.
 m=$(curl -sf "http://127.0.0.1:$mport/metrics")
 [[ "$m" == *$'\n'qkvserve_kv_cache_blocks* ]] || fail "/metrics"
-echo "docker_test: 6 passed, 0 failed"
+docker rm -f "$cid" >/dev/null 2>&1; cid=""
+
+# Memory pressure: the container under the memory limit deploy/k8s gives the pod (and its config's KV
+# budget), flooded with sessions, forks and large requests. It must answer RESOURCE_EXHAUSTED, never be
+# OOM-killed, and serve normally afterwards.
+limit=$(sed -n 's/.*limits: {memory: "\([0-9]*\)Mi"}.*/\1/p' deploy/k8s/deployment.yaml)
+[ -n "$limit" ] || fail "no memory limit found in deploy/k8s/deployment.yaml"
+kv=$(sed -n 's/^ *kv-cache-bytes = *//p' deploy/k8s/configmap.yaml)
+cid=$(docker run -d --network host --memory "${limit}m" --memory-swap "${limit}m" \
+      -e QKVSERVE_LISTEN=127.0.0.1:$port -e QKVSERVE_METRICS_LISTEN=127.0.0.1:$mport \
+      qkvserve:latest --kv-cache-bytes "$kv" --threads 2 --max-sessions-per-key 2000)
+for _ in $(seq 120); do
+  docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference >/dev/null 2>&1 && break
+  sleep 0.5
+done
+t_flood=$(date +%s)
+python3 tests/integration/memory_flood.py 127.0.0.1:$port || fail "memory flood"
+oom=$(docker inspect -f '{{.State.OOMKilled}} {{.State.Running}}' "$cid")
+[ "$oom" = "false true" ] || fail "after the flood the container is (OOMKilled Running) = $oom"
+peak=$(docker exec "$cid" cat /sys/fs/cgroup/memory.peak 2>/dev/null || echo "")
+echo "docker_test: memory flood under a ${limit} MiB limit (KV $kv): $(( $(date +%s) - t_flood )) s," \
+     "peak ${peak:-unknown} bytes, not OOM-killed"
+h=$(docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference)
+[[ "$h" == *SERVING* ]] || fail "health after the flood: $h"
+g=$("${q[@]}" generate -p "And God said" -n 8)
+[[ "$g" == *'"completion_tokens":8'* ]] || fail "generate after the flood: $g"
+echo "docker_test: 9 passed, 0 failed"

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 #include <thread>
@@ -113,6 +115,20 @@ TEST_F(EngineTest, BatchInvariance) {
   }
   EXPECT_EQ(engine_->CheckConsistency(), "");
   EXPECT_GT(engine_->Stats().prefix_hits_tokens, 0u);
+}
+
+// A session's TTL must leave now + ttl representable: infinite, NaN, negative and absurd values are refused
+// (found by the API fuzzer under UBSan: ttl_seconds = inf overflowed the deadline's conversion).
+TEST_F(EngineTest, SessionTtlIsBounded) {
+  Start();
+  for (double ttl : {std::numeric_limits<double>::infinity(), std::nan(""), -1.0, 1e30, 3.2e8}) {
+    auto r = engine_->CreateSession("", "t", ttl, 0, {});
+    ASSERT_FALSE(r.ok()) << ttl;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("ttl_seconds"), std::string::npos);
+  }
+  EXPECT_TRUE(engine_->CreateSession("", "t", 315360000.0, 0, {}).ok());
+  EXPECT_TRUE(engine_->CreateSession("", "u", 0.5, 0, {}).ok());
 }
 
 // A three-turn session produces the same tokens as sending the full history fresh each turn, reuses its

@@ -134,6 +134,25 @@ TEST(Scheduler, EvictingIdleStateAdmits) {
   EXPECT_EQ(a->ctx.kv.state_slot, 0);
 }
 
+// A fork gets its own slot holding a copy of the parent's state; none left: refused, nothing taken.
+TEST(Scheduler, ForkCopiesState) {
+  auto c = CacheStores::Create(SmallLayout(32, 8, 2));
+  ASSERT_TRUE(c.ok());
+  Scheduler sch(std::move(*c), {64, 8, true});
+  SeqKv parent, child, third;
+  parent.state_slot = sch.cache().states().Allocate();
+  std::memcpy(sch.cache().states().Slot(parent.state_slot), "abcdefgh", 8);
+  ASSERT_TRUE(sch.CopyState(parent, child));
+  ASSERT_GE(child.state_slot, 0);
+  EXPECT_NE(child.state_slot, parent.state_slot);
+  EXPECT_EQ(std::memcmp(sch.cache().states().Slot(child.state_slot), "abcdefgh", 8), 0);
+  EXPECT_FALSE(sch.CopyState(parent, third));
+  EXPECT_EQ(third.state_slot, -1);
+  SeqKv plain, plain_child;  // no state: nothing to copy
+  EXPECT_TRUE(sch.CopyState(plain, plain_child));
+  EXPECT_EQ(plain_child.state_slot, -1);
+}
+
 // State summarizes every computed token: cutting a context below what it computed drops its cache (it
 // recomputes), while cutting only uncomputed tokens keeps it; without state, truncation keeps the blocks
 // it can.

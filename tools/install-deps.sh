@@ -3,6 +3,7 @@
 set -euo pipefail
 PKGS=(
   build-essential cmake pkg-config git ca-certificates clang-format
+  clang-14 libclang-rt-14-dev libomp-14-dev
   libdnnl-dev ocl-icd-opencl-dev opencl-c-headers
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev

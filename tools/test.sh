@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs dependencies, builds everything (Release, warnings as errors) and runs every test with ctest.
+# Installs dependencies, builds everything (Release, warnings as errors) and runs every test with ctest,
+# then the reliability stages (tools/reliability.sh: ASan+UBSan, libFuzzer, TSan builds and their tests).
 # Prints how long each stage took. Usage: bash tools/test.sh [extra ctest args]
+# QKV_QUICK=1 skips the reliability stages (a quick local run; CI always runs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
@@ -18,5 +20,12 @@ export OMP_WAIT_POLICY=PASSIVE
 rc=0
 (cd build && ctest --output-on-failure -j2 "$@") || rc=$?
 t3=$(date +%s)
-printf '\nstage times: dependencies %ss, build %ss, tests %ss\n' $((t1 - t0)) $((t2 - t1)) $((t3 - t2))
-exit $rc
+rrc=0
+if [ -z "${QKV_QUICK:-}" ]; then
+  stage "reliability (sanitizers, fuzzing)"
+  bash tools/reliability.sh || rrc=$?
+fi
+t4=$(date +%s)
+printf '\nstage times: dependencies %ss, build %ss, tests %ss, reliability %ss\n' $((t1 - t0)) $((t2 - t1)) \
+  $((t3 - t2)) $((t4 - t3))
+[ $rc -eq 0 ] && [ $rrc -eq 0 ] || exit 1

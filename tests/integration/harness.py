@@ -45,6 +45,17 @@ def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3):
     return path
 
 
+def scrape_metrics(addr):
+    """{'name{labels}': value} of a /metrics scrape."""
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 class Server:
     """A qkvserve process on 127.0.0.1 with free ports, ready when its ready file appears."""
 
@@ -76,13 +87,7 @@ class Server:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def metrics(self):
-        text = urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=10).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return scrape_metrics(self.metrics_addr)
 
     def used_blocks(self):
         return self.metrics()['qkvserve_kv_cache_blocks{state="used"}']
