@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
@@ -324,7 +326,17 @@ qkv::StatusOr<qkv::ChatTemplateKind> ChatTemplateFor(const Flags& f, const std::
 }
 
 // Builds and starts the gRPC server (TLS if configured); *port gets the port it listens on.
-qkv::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(const Flags& f, grpc::Service& service, int* port) {
+// The largest request message gRPC accepts: room for the largest valid request (a prompt of
+// --max-prompt-bytes with stop strings, or token ids filling the context at 5 bytes each) and no more, so
+// an oversized message is refused (RESOURCE_EXHAUSTED) before it is parsed into memory.
+int MaxRequestBytes(const Flags& f, int max_context) {
+  const int64_t text = 2 * f.limits.max_prompt_bytes + f.limits.max_stop_bytes;
+  const int64_t ids = 5 * int64_t{max_context} + 5 * int64_t{f.limits.max_stop_token_ids};
+  return static_cast<int>(std::min<int64_t>(std::max(text, ids) + (1 << 20), INT32_MAX));
+}
+
+qkv::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(const Flags& f, grpc::Service& service, int max_request_bytes,
+                                                       int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -338,7 +350,7 @@ qkv::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(const Flags& f, grpc::Ser
   }
   builder.AddListeningPort(f.listen, creds, port);
   builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxReceiveMessageSize(max_request_bytes);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || *port == 0) return qkv::FailedPrecondition("cannot listen on --listen " + f.listen);
   return server;
@@ -421,7 +433,9 @@ int main(int argc, char** argv) {
   so.limits = f.limits;
   qkv::server::InferenceService service(**engine, so);
   int port = 0;
-  auto server = StartGrpc(f, service, &port);
+  const int max_request_bytes = MaxRequestBytes(f, m.max_context());
+  spdlog::info("requests up to {:.1f} MiB (from --max-prompt-bytes and the context)", max_request_bytes / 1048576.0);
+  auto server = StartGrpc(f, service, max_request_bytes, &port);
   if (!server.ok()) return Fail(server.status().message());
   auto* health = (*server)->GetHealthCheckService();
   health->SetServingStatus("", true);

@@ -63,7 +63,7 @@ for _ in $(seq 120); do
   sleep 0.5
 done
 t_flood=$(date +%s)
-python3 tests/integration/memory_flood.py 127.0.0.1:$port || fail "memory flood"
+/usr/bin/python3 tests/integration/memory_flood.py 127.0.0.1:$port || fail "memory flood"
 oom=$(docker inspect -f '{{.State.OOMKilled}} {{.State.Running}}' "$cid")
 [ "$oom" = "false true" ] || fail "after the flood the container is (OOMKilled Running) = $oom"
 peak=$(docker exec "$cid" cat /sys/fs/cgroup/memory.peak 2>/dev/null || echo "")

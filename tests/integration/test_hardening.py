@@ -72,6 +72,11 @@ class HardeningTest(unittest.TestCase):
         code, details = C(self.stub.Complete, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 300)))
         self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT, details)
         self.assertIn("context", details)
+        # A message past the largest valid request (sized from --max-prompt-bytes and the context) is refused
+        # by gRPC before it is parsed into memory (it used to accept 64 MiB, any number of them at once).
+        big = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[300] * (6 << 20)))  # ~12 MB on the wire
+        code, details = C(self.stub.Complete, big)
+        self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
         code, details = C(self.stub.Tokenize, pb.TokenizeRequest(text="a" * (5 << 20)))
         self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED)
         # Ids are bounded everywhere and never echoed back beyond their allowed length.
