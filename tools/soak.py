@@ -9,6 +9,7 @@ cancelled mid-stream, large prompts (near the context), and session closes. Erro
 expected client errors (RESOURCE_EXHAUSTED, NOT_FOUND for expired sessions, ...) are counted and printed.
 
 Usage: /usr/bin/python3 tools/soak.py --minutes 30 [--model M] [--bin build/bin] [--plot docs/img/soak.png]
+(needs python3-matplotlib from apt)
 """
 import argparse
 import json
@@ -57,6 +58,36 @@ def rss_mib(pid):
     return float("nan")
 
 
+def plot(samples, path, title):
+    """RSS, sessions and requests, step time and command wait over time, to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t = [s["t"] / 60 for s in samples]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    ax[0][0].plot(t, [s["rss_mib"] for s in samples])
+    ax[0][0].set_ylabel("RSS (MiB)")
+    ax[0][1].plot(t, [s["sessions"] for s in samples], label="sessions")
+    ax[0][1].plot(t, [s["running"] for s in samples], label="running")
+    ax[0][1].plot(t, [s["waiting"] for s in samples], label="waiting")
+    ax[0][1].legend()
+    ax[1][0].plot(t, [s["step_p50_ms"] for s in samples], label="p50")
+    ax[1][0].plot(t, [s["step_p99_ms"] for s in samples], label="p99")
+    ax[1][0].set_ylabel("engine step (ms, bucket bound)")
+    ax[1][0].legend()
+    ax[1][1].plot(t, [s["cmd_p50_ms"] for s in samples], label="p50")
+    ax[1][1].plot(t, [s["cmd_p99_ms"] for s in samples], label="p99")
+    ax[1][1].set_ylabel("command wait (ms, bucket bound)")
+    ax[1][1].legend()
+    for a in ax[1]:
+        a.set_xlabel("minutes")
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=80)
+    print("soak: plot written to", path, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=30)
@@ -70,7 +101,12 @@ def main():
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "soak.png"))
     ap.add_argument("--json", default="", help="write the samples here too")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replot", default="", help="only plot the samples of an earlier --json")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot, f"qkvserve soak: {args.minutes:g} min, {args.rate:g} ops/s, {args.clients} clients")
+        return 0
     os.environ["QKV_BIN"] = args.bin
     import grpc  # noqa: E402
     from harness import pb, rpc, scrape_metrics as scrape  # noqa: E402
@@ -204,32 +240,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(samples, f)
     if samples:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        t = [s["t"] / 60 for s in samples]
-        fig, ax = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-        ax[0][0].plot(t, [s["rss_mib"] for s in samples])
-        ax[0][0].set_ylabel("RSS (MiB)")
-        ax[0][1].plot(t, [s["sessions"] for s in samples], label="sessions")
-        ax[0][1].plot(t, [s["running"] for s in samples], label="running")
-        ax[0][1].plot(t, [s["waiting"] for s in samples], label="waiting")
-        ax[0][1].legend()
-        ax[1][0].plot(t, [s["step_p50_ms"] for s in samples], label="p50")
-        ax[1][0].plot(t, [s["step_p99_ms"] for s in samples], label="p99")
-        ax[1][0].set_ylabel("engine step (ms, bucket bound)")
-        ax[1][0].legend()
-        ax[1][1].plot(t, [s["cmd_p50_ms"] for s in samples], label="p50")
-        ax[1][1].plot(t, [s["cmd_p99_ms"] for s in samples], label="p99")
-        ax[1][1].set_ylabel("command wait (ms, bucket bound)")
-        ax[1][1].legend()
-        for a in ax[1]:
-            a.set_xlabel("minutes")
-        fig.suptitle(f"qkvserve soak: {args.minutes:g} min, {args.rate:g} ops/s, {args.clients} clients")
-        fig.tight_layout()
-        os.makedirs(os.path.dirname(args.plot), exist_ok=True)
-        fig.savefig(args.plot, dpi=80)
-        print("soak: plot written to", args.plot, flush=True)
+        plot(samples, args.plot, f"qkvserve soak: {args.minutes:g} min, {args.rate:g} ops/s, {args.clients} clients")
     return 0 if alive and not unexpected else 1
 
 
