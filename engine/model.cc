@@ -128,9 +128,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   m->layout_.state_bytes_per_seq = spec.state_bytes_per_seq;
   m->layout_.state_slots = spec.state_bytes_per_seq > 0 ? (opt.state_slots > 0 ? opt.state_slots : 64) : 0;
   spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks,
-               ks.block_size, ks.n_blocks * ks.block_size,
-               static_cast<double>(ks.bytes_per_block() * ks.n_blocks) / (1 << 20), ks.bytes_per_token(),
-               DTypeName(ks.dtype));
+               ks.block_size, ks.n_blocks * ks.block_size, static_cast<double>(m->layout_.token_bytes()) / (1 << 20),
+               ks.bytes_per_token(), DTypeName(ks.dtype));
   // Scratch for the largest batch.
   const int rows = (opt.max_batch_tokens + kTileRows - 1) / kTileRows * kTileRows;
   m->rows_cap_ = rows;

@@ -89,6 +89,14 @@ class Server:
     def metrics(self):
         return scrape_metrics(self.metrics_addr)
 
+    def accounting(self):
+        """'' when /debug/accounting (--debug-accounting) reports no error, else its line."""
+        text = urllib.request.urlopen(f"http://{self.metrics_addr}/debug/accounting", timeout=30).read().decode()
+        for line in text.splitlines():
+            if line.startswith("qkvserve_debug_accounting_errors"):
+                return "" if line.endswith(" 0") else line
+        return "no accounting line: " + text
+
     def used_blocks(self):
         return self.metrics()['qkvserve_kv_cache_blocks{state="used"}']
 
