@@ -10,4 +10,11 @@ StatusOr<DType> ParseDType(const std::string& s) {
   return InvalidArgument("dtype must be bf16 or f32, got '" + s + "'");
 }
 
+StatusOr<WeightsMode> ParseWeightsMode(const std::string& s) {
+  if (s == "auto") return WeightsMode{DType::kBF16, true};
+  if (s == "f32") return WeightsMode{DType::kF32, false};
+  if (s == "bf16") return WeightsMode{DType::kBF16, false};
+  return InvalidArgument("weights dtype must be auto, bf16 or f32, got '" + s + "'");
+}
+
 }  // namespace qkv

@@ -168,28 +168,6 @@ Status ReadValue(Cursor& c, GgufType type, GgufValue* v, int depth, const std::s
 
 }  // namespace
 
-const char* GgmlTypeName(GgmlType t) {
-  switch (t) {
-    case GgmlType::kF32: return "f32";
-    case GgmlType::kF16: return "f16";
-    case GgmlType::kQ8_0: return "q8_0";
-    case GgmlType::kBF16: return "bf16";
-  }
-  return "?";
-}
-
-uint64_t GgmlBlockSize(GgmlType t) { return t == GgmlType::kQ8_0 ? 32 : 1; }
-
-uint64_t GgmlRowBytes(GgmlType t, uint64_t n) {
-  switch (t) {
-    case GgmlType::kF32: return n * 4;
-    case GgmlType::kF16:
-    case GgmlType::kBF16: return n * 2;
-    case GgmlType::kQ8_0: return n / 32 * 34;
-  }
-  return 0;
-}
-
 bool GgufValue::is_integer() const {
   switch (type) {
     case GgufType::kU8:
@@ -306,10 +284,10 @@ Status GgufFile::ParseImpl() {
     uint32_t type;
     if (!c.Read(&type) || !c.Read(&t.offset)) return DataLoss("gguf: truncated info of tensor '" + t.name + "'");
     t.type = static_cast<GgmlType>(type);
-    if (t.type != GgmlType::kF32 && t.type != GgmlType::kF16 && t.type != GgmlType::kBF16 &&
-        t.type != GgmlType::kQ8_0) {
+    if (!GgmlTypeKnown(type)) {
       return DataLoss("gguf: tensor '" + t.name + "' has unsupported ggml type " + std::to_string(type) +
-                      " (supported: f32, f16, bf16, q8_0)");
+                      " (supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, "
+                      "q6_k, iq4_nl, iq4_xs)");
     }
     if (t.ne[0] % GgmlBlockSize(t.type) != 0) {
       return DataLoss("gguf: tensor '" + t.name + "' row length is not a multiple of its block size");
@@ -392,14 +370,49 @@ std::string GgufFile::GetStringOr(const std::string& key, const std::string& dfl
 namespace {
 template <typename T>
 void Put(std::vector<uint8_t>& b, T v) {
-  const auto* p = reinterpret_cast<const uint8_t*>(&v);
-  b.insert(b.end(), p, p + sizeof(T));
+  const size_t at = b.size();
+  b.resize(at + sizeof(T));
+  std::memcpy(b.data() + at, &v, sizeof(T));
 }
 void PutString(std::vector<uint8_t>& b, const std::string& s) {
   Put<uint64_t>(b, s.size());
   b.insert(b.end(), s.begin(), s.end());
 }
+void PutValue(std::vector<uint8_t>& b, GgufType t, const GgufValue& v) {
+  switch (t) {
+    case GgufType::kU8: Put<uint8_t>(b, static_cast<uint8_t>(v.u)); return;
+    case GgufType::kI8: Put<int8_t>(b, static_cast<int8_t>(v.i)); return;
+    case GgufType::kU16: Put<uint16_t>(b, static_cast<uint16_t>(v.u)); return;
+    case GgufType::kI16: Put<int16_t>(b, static_cast<int16_t>(v.i)); return;
+    case GgufType::kU32: Put<uint32_t>(b, static_cast<uint32_t>(v.u)); return;
+    case GgufType::kI32: Put<int32_t>(b, static_cast<int32_t>(v.i)); return;
+    case GgufType::kU64: Put<uint64_t>(b, v.u); return;
+    case GgufType::kI64: Put<int64_t>(b, v.i); return;
+    case GgufType::kF32: Put<float>(b, static_cast<float>(v.f)); return;
+    case GgufType::kF64: Put<double>(b, v.f); return;
+    case GgufType::kBool: Put<uint8_t>(b, static_cast<uint8_t>(v.u)); return;
+    case GgufType::kString: PutString(b, v.s); return;
+    case GgufType::kArray:
+      Put<uint32_t>(b, static_cast<uint32_t>(v.array_type));
+      Put<uint64_t>(b, v.array.size());
+      for (const GgufValue& e : v.array) PutValue(b, v.array_type, e);
+      return;
+  }
+}
 }  // namespace
+
+void GgufWriter::SetValue(const std::string& key, const GgufValue& v) {
+  std::vector<uint8_t> b;
+  Put<uint32_t>(b, static_cast<uint32_t>(v.type));
+  PutValue(b, v.type, v);
+  for (auto& [k, val] : kv_) {
+    if (k == key) {
+      val = std::move(b);
+      return;
+    }
+  }
+  kv_.emplace_back(key, std::move(b));
+}
 
 void GgufWriter::SetU32(const std::string& key, uint32_t v) {
   std::vector<uint8_t> b;
@@ -500,70 +513,15 @@ Status GgufWriter::WriteFile(const std::string& path) const {
 // ---------------------------------------------------------------- conversions
 
 Status DequantizeToF32(const GgufTensor& t, float* dst) {
-  const uint64_t n = t.n_elements();
-  switch (t.type) {
-    case GgmlType::kF32: std::memcpy(dst, t.data, n * 4); return {};
-    case GgmlType::kF16: {
-      for (uint64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, t.data + 2 * i, 2);
-        dst[i] = F16ToF32(h);
-      }
-      return {};
-    }
-    case GgmlType::kBF16: {
-      for (uint64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, t.data + 2 * i, 2);
-        dst[i] = Bf16ToF32(h);
-      }
-      return {};
-    }
-    case GgmlType::kQ8_0: {
-      for (uint64_t blk = 0; blk < n / 32; ++blk) {
-        const uint8_t* p = t.data + blk * 34;
-        uint16_t h;
-        std::memcpy(&h, p, 2);
-        const float d = F16ToF32(h);
-        for (int j = 0; j < 32; ++j) dst[blk * 32 + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
-      }
-      return {};
-    }
-  }
-  return DataLoss("gguf: tensor '" + t.name + "' has an unsupported type");
+  if (!GgmlTypeKnown(static_cast<uint32_t>(t.type)))
+    return DataLoss("gguf: tensor '" + t.name + "' has an unsupported type");
+  DequantizeRow(t.type, t.data, static_cast<int64_t>(t.n_elements()), dst);
+  return {};
 }
 
 std::vector<uint8_t> EncodeFromF32(const float* src, uint64_t n, GgmlType type) {
   std::vector<uint8_t> out(GgmlRowBytes(type, n));
-  switch (type) {
-    case GgmlType::kF32: std::memcpy(out.data(), src, n * 4); break;
-    case GgmlType::kF16:
-      for (uint64_t i = 0; i < n; ++i) {
-        const uint16_t h = F32ToF16(src[i]);
-        std::memcpy(out.data() + 2 * i, &h, 2);
-      }
-      break;
-    case GgmlType::kBF16:
-      for (uint64_t i = 0; i < n; ++i) {
-        const uint16_t h = F32ToBf16(src[i]);
-        std::memcpy(out.data() + 2 * i, &h, 2);
-      }
-      break;
-    case GgmlType::kQ8_0:
-      // As ggml's quantize_row_q8_0_ref: d = amax / 127 stored as f16, q = round(x / d).
-      for (uint64_t blk = 0; blk < n / 32; ++blk) {
-        const float* x = src + blk * 32;
-        float amax = 0;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0 ? 1.0f / d : 0.0f;
-        uint8_t* p = out.data() + blk * 34;
-        const uint16_t h = F32ToF16(d);
-        std::memcpy(p, &h, 2);
-        for (int j = 0; j < 32; ++j) p[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::lround(x[j] * id)));
-      }
-      break;
-  }
+  QuantizeRow(type, src, static_cast<int64_t>(n), out.data());
   return out;
 }
 

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/quant.h"
 #include "engine/status.h"
 
 namespace qkv {
@@ -36,14 +37,6 @@ enum class GgufType : uint32_t {
   kI64 = 11,
   kF64 = 12,
 };
-
-enum class GgmlType : uint32_t { kF32 = 0, kF16 = 1, kQ8_0 = 8, kBF16 = 30 };
-
-const char* GgmlTypeName(GgmlType t);
-// Bytes for `n` elements of type t (n must be a multiple of the block size for quantized types).
-uint64_t GgmlRowBytes(GgmlType t, uint64_t n);
-// Elements per block (32 for Q8_0, 1 otherwise).
-uint64_t GgmlBlockSize(GgmlType t);
 
 // One metadata value. Scalars live in the member for their kind; arrays hold their elements in
 // `array` with `array_type` giving the element kind.
@@ -122,6 +115,8 @@ class GgufWriter {
   void SetStringArray(const std::string& key, const std::vector<std::string>& v);
   void SetI32Array(const std::string& key, const std::vector<int32_t>& v);
   void SetF32Array(const std::string& key, const std::vector<float>& v);
+  // Any value as read (copying metadata from one file to another).
+  void SetValue(const std::string& key, const GgufValue& v);
   // Adds a tensor; `ne` is ggml order (fastest first) and `data` must hold exactly its bytes.
   void AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, std::vector<uint8_t> data);
   std::vector<uint8_t> Serialize() const;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <set>
 
 #include "engine/bf16.h"
 #include "engine/kernels/attention.h"
@@ -88,7 +89,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     m->rope_ = std::make_unique<RopeTable>(c.rotary_dim, c.rope_theta, m->max_ctx_);
     QKV_RETURN_IF_ERROR(m->LoadWeights(*f));
   }  // the GGUF mapping is released here: only converted weights stay resident
-  spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), DTypeName(opt.weights_dtype),
+  spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), m->weights_summary(),
                m->weight_bytes_ / 1e6, opt.n_threads);
   spdlog::info("gemm: cpu isa {}; compute dtype {}; {}", GemmRuntime::CpuIsa(), DTypeName(m->compute_dtype()),
                m->rt_->Summary());
@@ -158,24 +159,30 @@ Status Model::LoadWeights(const GgufFile& f) {
   const ModelConfig& c = cfg_;
   const auto H = static_cast<uint64_t>(c.hidden);
   const DType dt = opt_.weights_dtype;
-  QKV_ASSIGN_OR_RETURN(std::vector<float> emb, ReadTensor(f, "token_embd.weight", {H, static_cast<uint64_t>(c.vocab)}));
   QKV_ASSIGN_OR_RETURN(final_norm_, ReadTensor(f, "output_norm.weight", {H}));
-  auto make_linear = [&](const std::vector<float>& w, const float* b, int n, int k) {
-    return Linear::Create(*rt_, w.data(), b, n, k, dt);
-  };
-  if (c.tied_embeddings) {
-    QKV_ASSIGN_OR_RETURN(lm_head_, make_linear(emb, nullptr, c.vocab, c.hidden));
-  } else {
-    QKV_ASSIGN_OR_RETURN(std::vector<float> out, ReadTensor(f, "output.weight", {H, static_cast<uint64_t>(c.vocab)}));
-    QKV_ASSIGN_OR_RETURN(lm_head_, make_linear(out, nullptr, c.vocab, c.hidden));
+  const auto V = static_cast<uint64_t>(c.vocab);
+  if (opt_.keep_quantized) {
+    QKV_ASSIGN_OR_RETURN(embed_q_, ReadQuantized(f, "token_embd.weight", V, H));
   }
-  if (dt == DType::kF32) {
-    embed_f32_ = std::move(emb);
-    weight_bytes_ += embed_f32_.size() * 4;
+  if (c.tied_embeddings && embed_q_) {
+    QKV_ASSIGN_OR_RETURN(lm_head_, Linear::CreateQuantized(*rt_, embed_q_));
   } else {
-    embed_bf16_.resize(emb.size());
-    F32ToBf16Bulk(emb.data(), embed_bf16_.data(), static_cast<int64_t>(emb.size()));
-    weight_bytes_ += embed_bf16_.size() * 2;
+    const std::string head = c.tied_embeddings ? "token_embd.weight" : "output.weight";
+    QKV_ASSIGN_OR_RETURN(lm_head_,
+                         MakeLinear(f, *rt_, dt, opt_.keep_quantized, {{head, V, 0, c.vocab}}, c.hidden, nullptr));
+  }
+  if (embed_q_) {
+    if (!c.tied_embeddings) weight_bytes_ += embed_q_->bytes();
+  } else {
+    QKV_ASSIGN_OR_RETURN(std::vector<float> emb, ReadTensor(f, "token_embd.weight", {H, V}));
+    if (dt == DType::kF32) {
+      embed_f32_ = std::move(emb);
+      weight_bytes_ += embed_f32_.size() * 4;
+    } else {
+      embed_bf16_.resize(emb.size());
+      F32ToBf16Bulk(emb.data(), embed_bf16_.data(), static_cast<int64_t>(emb.size()));
+      weight_bytes_ += embed_bf16_.size() * 2;
+    }
   }
   weight_bytes_ += lm_head_->weight_bytes() + final_norm_.size() * 4;
   weight_bytes_per_token_ += lm_head_->weight_bytes();
@@ -184,7 +191,8 @@ Status Model::LoadWeights(const GgufFile& f) {
   for (int l = 0; l < c.n_layers; ++l) {
     for (std::string_view name : ModelLayerKinds(c, l)) {
       QKV_ASSIGN_OR_RETURN(const LayerKind* kind, FindLayerKind(name));
-      LayerInit in{f, c, l, *rt_, dt, opt_.kv_dtype, kind->caches_tokens ? kv_layers_++ : -1, rope_.get()};
+      LayerInit in{
+          f, c, l, *rt_, dt, opt_.keep_quantized, opt_.kv_dtype, kind->caches_tokens ? kv_layers_++ : -1, rope_.get()};
       QKV_ASSIGN_OR_RETURN(std::unique_ptr<Layer> layer, kind->make(in));
       weight_bytes_ += layer->weight_bytes();
       weight_bytes_per_token_ += layer->weight_bytes_per_token();
@@ -209,6 +217,30 @@ CacheSpec Model::cache_spec() const {
     total.state_bytes_per_seq += l->cache().state_bytes_per_seq;
   }
   return total;
+}
+
+std::string Model::weights_summary() const {
+  std::set<std::string> q;
+  bool expanded = !embed_f32_.empty() || !embed_bf16_.empty();
+  auto note = [&](const Linear& l) {
+    if (!l.quantized()) {
+      expanded = true;
+      return;
+    }
+    std::string t = l.quantized()->types();
+    for (size_t a = 0, b; a <= t.size(); a = b + 1) {
+      b = t.find('+', a);
+      if (b == std::string::npos) b = t.size();
+      q.insert(t.substr(a, b - a));
+    }
+  };
+  note(*lm_head_);
+  for (const auto& l : layers_) l->ForEachLinear(note);
+  std::string s;
+  for (const auto& t : q) s += (s.empty() ? "" : "+") + t;
+  if (!s.empty()) s += " (quantized)";
+  if (expanded) s += (s.empty() ? "" : " + ") + std::string(DTypeName(opt_.weights_dtype));
+  return s;
 }
 
 DType Model::compute_dtype() const { return rt_->any_bf16_input() ? DType::kBF16 : DType::kF32; }
@@ -271,7 +303,9 @@ Status Model::Forward(std::span<const BatchChunk> batch, CacheStores& cache) {
     for (const BatchChunk& ch : batch) {
       for (int id : ch.tokens) {
         float* dst = &x_[static_cast<size_t>(t++) * H];
-        if (!embed_f32_.empty()) {
+        if (embed_q_) {
+          embed_q_->DequantizeRow(id, dst);
+        } else if (!embed_f32_.empty()) {
           std::memcpy(dst, &embed_f32_[static_cast<size_t>(id) * H], sizeof(float) * H);
         } else {
           Bf16ToF32Bulk(&embed_bf16_[static_cast<size_t>(id) * H], dst, H);

@@ -25,8 +25,9 @@
 namespace qkv {
 
 struct ModelOptions {
-  std::string tokenizer_path;  // a tokenizer.json to use instead of the GGUF's tokenizer
-  DType weights_dtype = DType::kBF16;
+  std::string tokenizer_path;          // a tokenizer.json to use instead of the GGUF's tokenizer
+  DType weights_dtype = DType::kBF16;  // of the tensors that are expanded (all of them unless keep_quantized)
+  bool keep_quantized = true;          // quantized tensors stay in their block formats (--weights-dtype auto)
   DType kv_dtype = DType::kBF16;
   int n_threads = 2;
   int max_batch_tokens = 512;  // tokens in one forward pass
@@ -58,6 +59,8 @@ class Model {
   int max_context() const { return max_ctx_; }
   // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.
   size_t weight_bytes() const { return weight_bytes_; }
+  // How the weights are held, e.g. "bf16", "f32", "q4_k+q6_k (quantized) + bf16".
+  std::string weights_summary() const;
   // Bytes the LM head, QKV/O/FFN GEMMs read per decoded token (the bandwidth roofline's numerator).
   size_t weight_bytes_per_token() const { return weight_bytes_per_token_; }
   const GemmRuntime& gemm() const { return *rt_; }
@@ -102,9 +105,10 @@ class Model {
   CacheLayout layout_;
   std::unique_ptr<RopeTable> rope_;
   std::vector<std::unique_ptr<Layer>> layers_;
-  int kv_layers_ = 0;                 // layers of the paged token store handed out to layer kinds
-  std::vector<float> embed_f32_;      // [vocab][hidden] when weights are f32
-  std::vector<uint16_t> embed_bf16_;  // [vocab][hidden] when weights are bf16
+  int kv_layers_ = 0;                            // layers of the paged token store handed out to layer kinds
+  std::vector<float> embed_f32_;                 // [vocab][hidden] when weights are f32
+  std::vector<uint16_t> embed_bf16_;             // [vocab][hidden] when weights are bf16
+  std::shared_ptr<const QuantWeights> embed_q_;  // when kept quantized (shared with lm_head_ when tied)
   std::vector<float> final_norm_;
   std::unique_ptr<Linear> lm_head_;
   size_t weight_bytes_ = 0;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "engine/quantize.h"
 #include "engine/rng.h"
 #include "engine/tokenizer.h"
 
@@ -10,16 +11,18 @@ namespace qkv {
 
 Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, const std::string& path) {
   QKV_RETURN_IF_ERROR(cfg.Validate());
-  if (opt.dtype == GgmlType::kQ8_0 && (cfg.hidden % 32 != 0 || cfg.ffn % 32 != 0 || cfg.q_dim() % 32 != 0)) {
-    return InvalidArgument("q8_0 needs hidden_size, intermediate_size and heads × head_dim divisible by 32");
-  }
   GgufWriter w;
   cfg.ToGguf(w);
   w.SetString("general.name", std::string("qkvserve random ") + ArchName(cfg.arch));
-  w.SetU32("general.file_type", opt.dtype == GgmlType::kF32    ? 0
-                                : opt.dtype == GgmlType::kF16  ? 1
-                                : opt.dtype == GgmlType::kQ8_0 ? 7
-                                                               : 32);
+  std::optional<QuantTypePlan> plan;
+  if (!opt.preset.empty()) {
+    const std::optional<QuantPreset> p = FindQuantPreset(opt.preset);
+    if (!p) return InvalidArgument("unknown quantization preset '" + opt.preset + "' (" + QuantPresetNames() + ")");
+    plan.emplace(*p, cfg.n_layers, cfg.n_heads / cfg.n_kv_heads, cfg.tied_embeddings);
+    w.SetU32("general.file_type", p->file_type);
+  } else {
+    w.SetU32("general.file_type", GgmlFileType(opt.dtype));
+  }
   QKV_ASSIGN_OR_RETURN(BpeVocab vocab, MakeSyntheticByteBpe(cfg.vocab, opt.seed));
   vocab.ToGguf(w);
 
@@ -32,8 +35,11 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
   };
   auto matrix = [&](const std::string& name, int rows, int cols, double stddev) {
     std::vector<float> v = uniform(static_cast<size_t>(rows) * cols, stddev, 0.0);
-    w.AddTensor(name, opt.dtype, {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)},
-                EncodeFromF32(v.data(), v.size(), opt.dtype));
+    // Rows that are not whole blocks of the type take llama-quantize's fallback type.
+    const std::vector<uint64_t> ne{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
+    const GgmlType t = plan ? plan->TypeFor(name, ne, GgmlType::kF32) : GgmlFallbackType(opt.dtype, ne[0]);
+    w.AddTensor(name, t, {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)},
+                EncodeFromF32(v.data(), v.size(), t));
   };
   auto vec = [&](const std::string& name, int n, double stddev, double mean) {
     std::vector<float> v = uniform(n, stddev, mean);

@@ -13,6 +13,7 @@ namespace qkv {
 struct RandomModelOptions {
   GgmlType dtype = GgmlType::kF32;  // of the 2-D weights; norms, biases and sinks stay f32
   uint64_t seed = 0;
+  std::string preset;  // a llama-quantize preset ("Q4_K_M"): types per tensor as it chooses them (dtype unused)
 };
 
 // Tensor names follow llama.cpp (token_embd, blk.N.attn_q/k/v/output, attn_q_norm/attn_k_norm,

@@ -177,7 +177,7 @@ std::string ReadFile(const std::string& path, bool* ok) {
 // Every command-line flag (and config-file key) of qkvserve, with its default.
 struct Flags {
   std::string model, tokenizer_file, listen = "127.0.0.1:50051", metrics_listen = "127.0.0.1:9464", ready_file;
-  std::string weights_dtype = "bf16", kv_dtype = "bf16", kv_bytes, api_keys_file, tls_cert, tls_key;
+  std::string weights_dtype = "auto", kv_dtype = "bf16", kv_bytes, api_keys_file, tls_cert, tls_key;
   std::string log_level = "info", chat_template, instance_id;
   int threads = 0, block_size = 16, max_batched = 512, max_seqs = 64, max_model_len = 0, default_max_tokens = 256;
   int max_waiting = 1024;
@@ -203,7 +203,9 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->envname("QKVSERVE_METRICS_LISTEN");
   app.add_option("--ready-file", f.ready_file, "write {\"grpc\": ADDR, \"metrics\": ADDR, \"pid\": N} here once ready");
   app.add_option("--threads", f.threads, "compute threads (default: the number of cores)");
-  app.add_option("--weights-dtype", f.weights_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--weights-dtype", f.weights_dtype,
+                 "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
+      ->capture_default_str();
   app.add_option("--kv-dtype", f.kv_dtype, "bf16 or f32")->capture_default_str();
   app.add_option("--kv-cache-bytes", f.kv_bytes,
                  "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 "
@@ -272,12 +274,13 @@ void AddFlags(CLI::App& app, Flags& f) {
 // The model's load options from the flags; the error names the flag.
 qkv::StatusOr<qkv::ModelOptions> ModelOptionsFrom(const Flags& f) {
   qkv::ModelOptions mo;
-  auto wd = qkv::ParseDType(f.weights_dtype);
+  auto wd = qkv::ParseWeightsMode(f.weights_dtype);
   if (!wd.ok()) return qkv::InvalidArgument("--weights-dtype: " + wd.status().message());
   auto kd = qkv::ParseDType(f.kv_dtype);
   if (!kd.ok()) return qkv::InvalidArgument("--kv-dtype: " + kd.status().message());
   mo.tokenizer_path = f.tokenizer_file;
-  mo.weights_dtype = *wd;
+  mo.weights_dtype = wd->dtype;
+  mo.keep_quantized = wd->keep_quantized;
   mo.kv_dtype = *kd;
   mo.n_threads = f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   mo.max_batch_tokens = f.max_batched;

@@ -575,7 +575,7 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_kv_cache_tokens(s.tokens_capacity);
   resp->set_kv_cache_bytes(m.cache_layout().token_bytes());
   resp->set_block_size(s.block_size);
-  resp->set_weights_dtype(DTypeName(m.options().weights_dtype));
+  resp->set_weights_dtype(m.weights_summary());
   resp->set_kv_dtype(DTypeName(m.options().kv_dtype));
   resp->set_cpu_isa(GemmRuntime::CpuIsa());
   resp->set_compute_dtype(DTypeName(m.compute_dtype()));

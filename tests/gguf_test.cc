@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -78,15 +79,47 @@ TEST(Gguf, RejectsUnknownTensorTypeAndAbsurdCounts) {
   // Tensor info: magic(4) version(4) counts(16) name(8+1) n_dims(4) ne(8) type(4).
   const size_t type_at = 24 + 9 + 4 + 8;
   auto bad = bytes;
-  bad[type_at] = 2;  // q4_0: not supported
+  bad[type_at] = 16;  // iq2_xxs: not supported
   auto r = GgufFile::Parse(bad);
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("unsupported ggml type"), std::string::npos);
+  EXPECT_NE(r.status().message().find("unsupported ggml type 16"), std::string::npos);
+  bad = bytes;
+  bad[type_at] = 2;  // q4_0, but 4 values are not a whole 32-value block
+  r = GgufFile::Parse(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("not a multiple of its block size"), std::string::npos);
   bad = bytes;
   bad[8 + 7] = 0x7f;  // tensor count ~ 2^63
   r = GgufFile::Parse(bad);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("absurd"), std::string::npos);
+}
+
+// Quantized tensors: every type reads back; a file cut inside a quantized tensor's data is refused.
+TEST(Gguf, QuantizedTensorsRoundTripAndTruncationIsRefused) {
+  std::vector<float> vals(2 * 256);
+  for (size_t i = 0; i < vals.size(); ++i) vals[i] = std::sin(0.37f * static_cast<float>(i));
+  for (const char* name :
+       {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"}) {
+    const GgmlType t = *GgmlTypeFromName(name);
+    GgufWriter w;
+    w.AddTensor("q", t, {256, 2}, EncodeFromF32(vals.data(), vals.size(), t));
+    const auto bytes = w.Serialize();
+    auto f = GgufFile::Parse(bytes);
+    ASSERT_TRUE(f.ok()) << name << ": " << f.status().ToString();
+    const GgufTensor* q = (*f)->FindTensor("q");
+    ASSERT_TRUE(q);
+    EXPECT_EQ(q->nbytes, GgmlRowBytes(t, 256) * 2) << name;
+    std::vector<float> back(vals.size());
+    ASSERT_TRUE(DequantizeToF32(*q, back.data()).ok());
+    double err = 0;
+    for (size_t i = 0; i < vals.size(); ++i) err = std::max(err, std::fabs(double(back[i]) - vals[i]));
+    EXPECT_LT(err, 0.5) << name;
+    const std::span<const uint8_t> cut(bytes.data(), bytes.size() - GgmlBlockBytes(t) / 2 - 32);
+    auto r = GgufFile::Parse(cut);
+    ASSERT_FALSE(r.ok()) << name;
+    EXPECT_NE(r.status().message().find("beyond the end"), std::string::npos) << r.status().message();
+  }
 }
 
 TEST(Gguf, ModelLoadNamesMissingAndMisshapenTensors) {

@@ -6,9 +6,9 @@ set -euo pipefail
 cd "${1:-$(dirname "$0")/..}"
 layer_of() {
   case $1 in
-    engine/status.* | engine/dtype.* | engine/bf16.* | engine/rng.* | engine/utf8.h) echo base ;;
+    engine/status.* | engine/dtype.* | engine/bf16.* | engine/rng.* | engine/utf8.h | engine/quant.*) echo base ;;
     engine/capacity_plan.*) echo plan ;;
-    engine/gguf.* | engine/model_config.* | engine/tokenizer* | engine/unicode_nfc* | engine/chat_template.* | \
+    engine/gguf.* | engine/quantize.* | engine/model_config.* | engine/tokenizer* | engine/unicode_nfc* | engine/chat_template.* | \
       engine/random_model.*) echo formats ;;
     engine/kernels/* | engine/kv_cache.*) echo kernels ;;
     engine/model.* | engine/layers/*) echo model ;;

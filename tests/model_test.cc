@@ -9,6 +9,7 @@
 
 #include "engine/bf16.h"
 #include "engine/block_manager.h"
+#include "engine/random_model.h"
 #include "engine/sampler.h"
 #include "tests/test_util.h"
 
@@ -119,39 +120,63 @@ TEST_P(ModelArchTest, Causality) {
 
 // The logits of a prompt do not depend on how it is chunked into forward passes, nor on what other
 // sequences share the batch (bit for bit): the basis of batch invariance.
+// A 150-token prompt gives the same logits, bit for bit, whole, in chunks of 1, 7 and 64, and in batches
+// beside other sequences of other lengths.
+void CheckChunkingAndBatches(Model& m, const std::string& what) {
+  const int V = m.config().vocab;
+  std::vector<int> p = Prompt(150, V);
+  SeqKv s1;
+  auto whole = Feed(m, s1, p, true);
+  ReleaseBlocks(s1, PoolFor(m));
+  for (int chunk : {1, 7, 64}) {
+    SeqKv s2;
+    auto parts = Feed(m, s2, p, true, chunk);
+    ReleaseBlocks(s2, PoolFor(m));
+    ASSERT_EQ(whole.size(), parts.size());
+    EXPECT_EQ(0, std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float))) << what << " chunk " << chunk;
+  }
+  // The same prompt in a batch with two other sequences of different lengths.
+  SeqKv x, y, z;
+  std::vector<int> px = Prompt(33, V, 1), pz = Prompt(5, V, 2);
+  ASSERT_TRUE(ReserveBlocks(x, 33, m.options().block_size, PoolFor(m)).ok());
+  ASSERT_TRUE(ReserveBlocks(y, 150, m.options().block_size, PoolFor(m)).ok());
+  ASSERT_TRUE(ReserveBlocks(z, 5, m.options().block_size, PoolFor(m)).ok());
+  BatchChunk b[3] = {{&x, px, false}, {&y, std::span<const int>(p.data(), 100), true}, {&z, pz, true}};
+  ASSERT_TRUE(m.Forward(b, CacheFor(m)).ok());
+  std::vector<float> got(m.logits() + V, m.logits() + 101 * static_cast<size_t>(V));
+  BatchChunk b2[2] = {{&z, std::span<const int>(pz.data(), 1), false},
+                      {&y, std::span<const int>(p.data() + 100, 50), true}};
+  ASSERT_TRUE(m.Forward(b2, CacheFor(m)).ok());
+  got.insert(got.end(), m.logits() + V, m.logits() + 51 * static_cast<size_t>(V));
+  ASSERT_EQ(got.size(), whole.size());
+  EXPECT_EQ(0, std::memcmp(whole.data(), got.data(), whole.size() * sizeof(float))) << what;
+  ReleaseBlocks(x, PoolFor(m));
+  ReleaseBlocks(y, PoolFor(m));
+  ReleaseBlocks(z, PoolFor(m));
+}
+
 TEST_P(ModelArchTest, ChunkingAndBatchCompositionDoNotChangeBits) {
   ModelConfig cfg = testing::SmallConfig(GetParam());
   const auto path = testing::WriteModel(cfg, std::string("chunk_") + ArchName(GetParam()));
   for (DType dt : {DType::kF32, DType::kBF16}) {
     auto m = Load(path, dt, dt, 256, 64);
     ASSERT_TRUE(m);
-    const int V = cfg.vocab;
-    std::vector<int> p = Prompt(150, V);
-    SeqKv s1;
-    auto whole = Feed(*m, s1, p, true);
-    ReleaseBlocks(s1, PoolFor(*m));
-    for (int chunk : {1, 7, 64}) {
-      SeqKv s2;
-      auto parts = Feed(*m, s2, p, true, chunk);
-      ReleaseBlocks(s2, PoolFor(*m));
-      ASSERT_EQ(whole.size(), parts.size());
-      EXPECT_EQ(0, std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float))) << "chunk " << chunk;
-    }
-    // The same prompt in a batch with two other sequences of different lengths.
-    SeqKv x, y, z;
-    std::vector<int> px = Prompt(33, V, 1), pz = Prompt(5, V, 2);
-    ASSERT_TRUE(ReserveBlocks(x, 33, m->options().block_size, PoolFor(*m)).ok());
-    ASSERT_TRUE(ReserveBlocks(y, 150, m->options().block_size, PoolFor(*m)).ok());
-    ASSERT_TRUE(ReserveBlocks(z, 5, m->options().block_size, PoolFor(*m)).ok());
-    BatchChunk b[3] = {{&x, px, false}, {&y, std::span<const int>(p.data(), 100), true}, {&z, pz, true}};
-    ASSERT_TRUE(m->Forward(b, CacheFor(*m)).ok());
-    std::vector<float> got(m->logits() + V, m->logits() + 101 * static_cast<size_t>(V));
-    BatchChunk b2[2] = {{&z, std::span<const int>(pz.data(), 1), false},
-                        {&y, std::span<const int>(p.data() + 100, 50), true}};
-    ASSERT_TRUE(m->Forward(b2, CacheFor(*m)).ok());
-    got.insert(got.end(), m->logits() + V, m->logits() + 51 * static_cast<size_t>(V));
-    ASSERT_EQ(got.size(), whole.size());
-    EXPECT_EQ(0, std::memcmp(whole.data(), got.data(), whole.size() * sizeof(float))) << DTypeName(dt);
+    CheckChunkingAndBatches(*m, DTypeName(dt));
+  }
+}
+
+// The same on weights kept quantized: Q8_0 on the small shape, and Q4_K_M (Q4_K, Q6_K, Q5_0 fallbacks
+// where rows are not whole super-blocks) on a shape with 256-wide rows.
+TEST_P(ModelArchTest, QuantizedWeightsKeepTheSameBits) {
+  for (const char* preset : {"Q8_0", "Q4_K_M"}) {
+    ModelConfig cfg = testing::SmallConfig(GetParam());
+    if (std::string(preset) == "Q4_K_M") cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
+    const std::string path = ::testing::TempDir() + "/quant_" + preset + "_" + ArchName(GetParam()) + ".gguf";
+    ASSERT_TRUE(WriteRandomModel(cfg, {GgmlType::kF32, 1, preset}, path).ok());
+    auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
+    ASSERT_TRUE(m);
+    EXPECT_NE(m->weights_summary().find("(quantized)"), std::string::npos) << m->weights_summary();
+    CheckChunkingAndBatches(*m, preset);
   }
 }
 

@@ -60,7 +60,7 @@ void PrintProfile(const char* what, const qkv::Model::Profile& p) {
 
 int main(int argc, char** argv) {
   CLI::App app{"qkv-bench: prefill and decode throughput of a model"};
-  std::string model, weights_dtype = "bf16", kv_dtype = "bf16";
+  std::string model, weights_dtype = "auto", kv_dtype = "bf16";
   int threads = 2, prompt = 512, gen = 128, reps = 3;
   bool profile = false;
   app.add_option("--model", model, "GGUF model file")->required();
@@ -72,7 +72,8 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "repetitions (the best is reported)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
-  app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--weights-dtype", weights_dtype, "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
+      ->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
   app.add_flag("--profile", profile, "print where the time goes");
   CLI11_PARSE(app, argc, argv);
@@ -80,13 +81,14 @@ int main(int argc, char** argv) {
   omp_set_num_threads(threads);
 
   qkv::ModelOptions mo;
-  auto wd = qkv::ParseDType(weights_dtype);
+  auto wd = qkv::ParseWeightsMode(weights_dtype);
   auto kd = qkv::ParseDType(kv_dtype);
   if (!wd.ok() || !kd.ok()) {
-    std::fprintf(stderr, "qkv-bench: dtypes must be bf16 or f32\n");
+    std::fprintf(stderr, "qkv-bench: --weights-dtype must be auto, bf16 or f32 and --kv-dtype bf16 or f32\n");
     return 1;
   }
-  mo.weights_dtype = *wd;
+  mo.weights_dtype = wd->dtype;
+  mo.keep_quantized = wd->keep_quantized;
   mo.kv_dtype = *kd;
   mo.n_threads = threads;
   mo.max_batch_tokens = prompt;

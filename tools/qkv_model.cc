@@ -3,16 +3,23 @@
 //   [--seed N] qkv-model info MODEL.gguf qkv-model tokenize --model MODEL.gguf [--decode] [--parse-special]
 //   [--add-special]
 //     reads one JSON string per line and prints one JSON array of ids per line (--decode: the reverse)
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
+#include <thread>
 
 #include "engine/capacity_plan.h"
 #include "engine/gguf.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
+#include "engine/quantize.h"
 #include "engine/random_model.h"
 #include "engine/tokenizer.h"
 #include "engine/utf8.h"
@@ -25,11 +32,11 @@ int Fail(const qkv::Status& s) {
 }
 
 qkv::StatusOr<qkv::GgmlType> ParseGgmlType(const std::string& s) {
-  if (s == "f32") return qkv::GgmlType::kF32;
-  if (s == "f16") return qkv::GgmlType::kF16;
-  if (s == "bf16") return qkv::GgmlType::kBF16;
-  if (s == "q8_0") return qkv::GgmlType::kQ8_0;
-  return qkv::InvalidArgument("--dtype must be f32, f16, bf16 or q8_0");
+  if (auto t = qkv::GgmlTypeFromName(s)) return *t;
+  return qkv::InvalidArgument(
+      "--dtype must be a ggml type (f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, "
+      "q4_k, q5_k, q6_k, iq4_nl, iq4_xs) or a llama-quantize preset (" +
+      qkv::QuantPresetNames() + "), got '" + s + "'");
 }
 
 int Random(const std::string& config_path, const std::string& out, const std::string& arch_s,
@@ -42,9 +49,16 @@ int Random(const std::string& config_path, const std::string& out, const std::st
   if (!arch.ok()) return Fail(arch.status());
   auto cfg = qkv::ModelConfig::FromHfJson(ss.str(), *arch);
   if (!cfg.ok()) return Fail(cfg.status());
-  auto dt = ParseGgmlType(dtype_s);
-  if (!dt.ok()) return Fail(dt.status());
-  qkv::Status s = qkv::WriteRandomModel(*cfg, {*dt, seed}, out);
+  qkv::RandomModelOptions ro;
+  ro.seed = seed;
+  if (qkv::FindQuantPreset(dtype_s)) {
+    ro.preset = dtype_s;
+  } else {
+    auto dt = ParseGgmlType(dtype_s);
+    if (!dt.ok()) return Fail(dt.status());
+    ro.dtype = *dt;
+  }
+  qkv::Status s = qkv::WriteRandomModel(*cfg, ro, out);
   if (!s.ok()) return Fail(s);
   std::cout << "wrote " << out << ": " << cfg->Summary() << ", " << cfg->ParameterCount() << " parameters\n";
   return 0;
@@ -133,6 +147,45 @@ int Tokenize(const std::string& path, const std::string& json, bool decode, bool
   return 0;
 }
 
+int Quantize(const std::string& in, const std::string& out, const std::string& type, int threads, bool quiet) {
+  const std::optional<qkv::QuantPreset> p = qkv::FindQuantPreset(type);
+  if (!p)
+    return Fail(qkv::InvalidArgument("--type must be one of " + qkv::QuantPresetNames() + ", got '" + type + "'"));
+  std::vector<qkv::QuantizedTensorReport> report;
+  const bool bar = !quiet && isatty(2);
+  auto progress = [&](uint64_t done, uint64_t total) {
+    if (!bar) return;
+    const int w = 40, fill = static_cast<int>(w * done / std::max<uint64_t>(1, total));
+    std::fprintf(stderr, "\r[%s%s] %3d%%", std::string(fill, '#').c_str(), std::string(w - fill, ' ').c_str(),
+                 static_cast<int>(100 * done / std::max<uint64_t>(1, total)));
+    if (done == total) std::fprintf(stderr, "\n");
+  };
+  qkv::Status s = qkv::QuantizeModelFile(in, out, *p, threads, progress, &report);
+  if (!s.ok()) return Fail(s);
+  for (const auto& r : report) {
+    std::printf("%-28s %-6s -> %-6s rmse %.6g\n", r.name.c_str(), qkv::GgmlTypeName(r.from), qkv::GgmlTypeName(r.to),
+                r.rmse);
+  }
+  std::printf("wrote %s (%s)\n", out.c_str(), p->name.c_str());
+  return 0;
+}
+
+// Writes a tensor's values as little-endian f32 (the engine's dequantization).
+int Dequant(const std::string& path, const std::string& name, const std::string& out) {
+  auto f = qkv::GgufFile::Open(path);
+  if (!f.ok()) return Fail(f.status());
+  const qkv::GgufTensor* t = (*f)->FindTensor(name);
+  if (!t) return Fail(qkv::NotFound("no tensor '" + name + "' in " + path));
+  std::vector<float> v(t->n_elements());
+  qkv::Status s = qkv::DequantizeToF32(*t, v.data());
+  if (!s.ok()) return Fail(s);
+  std::ofstream o(out, std::ios::binary);
+  o.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+  if (!o) return Fail(qkv::Internal("cannot write '" + out + "'"));
+  std::cout << name << ": " << qkv::GgmlTypeName(t->type) << ", " << v.size() << " values\n";
+  return 0;
+}
+
 }  // namespace
 
 // Shared with qkvctl plan: reads the config and prints the plan.
@@ -164,7 +217,11 @@ int main(int argc, char** argv) {
       ->required();
   random->add_option("--out", out, "output GGUF path")->required();
   random->add_option("--arch", arch, "architecture: llama, qwen2 or qwen3")->capture_default_str();
-  random->add_option("--dtype", dtype, "weight type: f32, f16, bf16 or q8_0")->capture_default_str();
+  random
+      ->add_option("--dtype", dtype,
+                   "weight type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, "
+                   "iq4_xs (rows that are not whole blocks take llama-quantize's fallback type)")
+      ->capture_default_str();
   random->add_option("--seed", seed, "random seed")->capture_default_str();
   auto* info =
       app.add_subcommand("info", "print a model's config, parameter count, weight bytes and KV bytes per token");
@@ -190,6 +247,21 @@ int main(int argc, char** argv) {
   plan->add_option("--context", plan_context, "tokens per session")->capture_default_str();
   plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16 or f32")->capture_default_str();
   plan->add_flag("--json", plan_json, "print a JSON object");
+  auto* dequant = app.add_subcommand("dequant", "write one tensor's values as raw little-endian f32");
+  std::string dq_model, dq_tensor, dq_out;
+  dequant->add_option("model", dq_model, "GGUF file")->required();
+  dequant->add_option("--tensor", dq_tensor, "tensor name")->required();
+  dequant->add_option("--out", dq_out, "output file")->required();
+  auto* quantize = app.add_subcommand(
+      "quantize", "re-encode a model's weights with a llama-quantize preset (its per-tensor types and fallbacks)");
+  std::string q_in, q_out, q_type;
+  int q_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  bool q_quiet = false;
+  quantize->add_option("in", q_in, "input GGUF")->required();
+  quantize->add_option("out", q_out, "output GGUF")->required();
+  quantize->add_option("--type", q_type, "preset: " + qkv::QuantPresetNames())->required();
+  quantize->add_option("--threads", q_threads, "encoder threads")->capture_default_str();
+  quantize->add_flag("--quiet", q_quiet, "no progress bar");
   auto* cpu = app.add_subcommand("cpu", "print the instruction set oneDNN runs at here (ONEDNN_MAX_CPU_ISA caps it)");
   CLI11_PARSE(app, argc, argv);
   if (cpu->parsed()) {
@@ -198,6 +270,8 @@ int main(int argc, char** argv) {
   }
   if (plan->parsed()) return PlanMain(plan_config, plan_memory, plan_context, plan_dtype, plan_json);
   if (random->parsed()) return Random(config, out, arch, dtype, seed);
+  if (quantize->parsed()) return Quantize(q_in, q_out, q_type, q_threads, q_quiet);
+  if (dequant->parsed()) return Dequant(dq_model, dq_tensor, dq_out);
   if (tokenize->parsed()) return Tokenize(tok_model, tok_json, decode, parse_special, add_special);
   return Info(model);
 }

@@ -1,6 +1,6 @@
 // qkv-run: generate from a prompt with one model, for checks and demos.
 //   qkv-run --model MODEL.gguf (--prompt TEXT | --tokens 1,2,3) [-n N] [--temperature T] [--seed S]
-//           [--threads T] [--weights-dtype bf16|f32] [--kv-dtype bf16|f32] [--no-cache] [--logits OUT]
+//           [--threads T] [--weights-dtype auto|bf16|f32] [--kv-dtype bf16|f32] [--no-cache] [--logits OUT]
 // --no-cache recomputes the whole prefix at every step; --logits writes the teacher-forced logits of
 // every prompt position as little-endian float32 [positions × vocab].
 #include <omp.h>
@@ -62,7 +62,7 @@ qkv::Status Prefill(qkv::Model& m, qkv::CacheStores& cache, qkv::KvBlockPool& po
 
 int main(int argc, char** argv) {
   CLI::App app{"qkv-run: generate text from a GGUF model"};
-  std::string model, prompt, token_list, logits_out, gen_logits_out, weights_dtype = "bf16", kv_dtype = "bf16";
+  std::string model, prompt, token_list, logits_out, gen_logits_out, weights_dtype = "auto", kv_dtype = "bf16";
   int n_predict = 32, threads = 2, max_batch = 512, max_ctx = 0;
   float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f, rep = 1.0f, presence = 0.0f, frequency = 0.0f;
   int top_k = 0;
@@ -90,7 +90,8 @@ int main(int argc, char** argv) {
   app.add_option("--stop", stops, "stop string (repeatable); excluded from the output");
   app.add_flag("--ignore-eos", ignore_eos, "keep generating after EOS");
   app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
-  app.add_option("--weights-dtype", weights_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--weights-dtype", weights_dtype, "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
+      ->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
   app.add_option("--max-batch-tokens", max_batch, "tokens per forward pass (prefill chunk)")->capture_default_str();
   app.add_option("--ctx", max_ctx, "context limit (0 = the model's)")->capture_default_str();
@@ -108,12 +109,13 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(log_level));
 
   qkv::ModelOptions mo;
-  auto wd = qkv::ParseDType(weights_dtype);
+  auto wd = qkv::ParseWeightsMode(weights_dtype);
   if (!wd.ok()) return Fail(qkv::InvalidArgument("--weights-dtype: " + wd.status().message()));
   auto kd = qkv::ParseDType(kv_dtype);
   if (!kd.ok()) return Fail(qkv::InvalidArgument("--kv-dtype: " + kd.status().message()));
   mo.tokenizer_path = tokenizer_file;
-  mo.weights_dtype = *wd;
+  mo.weights_dtype = wd->dtype;
+  mo.keep_quantized = wd->keep_quantized;
   mo.kv_dtype = *kd;
   mo.n_threads = threads;
   mo.max_batch_tokens = max_batch;

@@ -46,7 +46,9 @@ int PaddedRows(int m) {
   return rem == 0 ? full : full + std::max(kBuckets[BucketIndex(rem)], 32);
 }
 
-const char* GemmBackendName(GemmBackend b) { return b == GemmBackend::kOneDnn ? "onednn" : "packed"; }
+const char* GemmBackendName(GemmBackend b) {
+  return b == GemmBackend::kOneDnn ? "onednn" : b == GemmBackend::kPacked ? "packed" : "quantized";
+}
 
 StatusOr<std::optional<GemmBackend>> GemmBackendFromEnv() {
   const char* v = std::getenv("QKV_GEMM");
@@ -197,6 +199,19 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
 
 // oneDNN for buckets >= min_bucket. With same_kernel, FailedPrecondition when the buckets' kernels
 // differ (or are not brgemm, whose row order is M-independent); Internal when oneDNN has no kernel.
+StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::shared_ptr<const QuantWeights> w) {
+  if (!w || w->n() <= 0 || w->k() <= 0 || w->k() % 32 != 0) return InvalidArgument("linear: bad quantized weights");
+  auto lin = std::unique_ptr<Linear>(new Linear());
+  lin->rt_ = &rt;
+  lin->n_ = w->n();
+  lin->k_ = w->k();
+  lin->dt_ = DType::kF32;
+  lin->weight_bytes_ = w->bytes();
+  lin->quant_ = std::move(w);
+  rt.NoteLayer("quantized avx2 int8 x " + lin->quant_->types(), DType::kF32);
+  return lin;
+}
+
 Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, bool same_kernel) {
   GemmRuntime& rt = *rt_;
   const int n = n_, k = k_;
@@ -268,6 +283,24 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, b
 void Linear::Forward(const void* x, int m, float* y) const {
   if (m <= 0) return;
   const int nthr = rt_->n_threads();
+  if (quant_) {
+    // Each row's int8 image depends on that row only; each output on its row and weight row only. The
+    // loops are worksharing loops, so every row and column is computed whatever the team size.
+    QuantizedRows& a = rt_->quantized_rows();
+    a.Resize(m, k_);
+    const auto* xf = static_cast<const float*>(x);
+#pragma omp parallel num_threads(nthr)
+    {
+#pragma omp for schedule(static)
+      for (int t = 0; t < nthr; ++t) a.Quantize(xf, m * t / nthr, m * (t + 1) / nthr);
+#pragma omp for schedule(static)
+      for (int t = 0; t < nthr; ++t) {
+        quant_->Compute(a, static_cast<int>(static_cast<int64_t>(n_) * t / nthr),
+                        static_cast<int>(static_cast<int64_t>(n_) * (t + 1) / nthr), y, n_);
+      }
+    }
+    return;
+  }
   if (packed_) {
     // A worksharing loop: every slice is computed whatever size the team turns out to be.
 #pragma omp parallel for num_threads(nthr) schedule(static)

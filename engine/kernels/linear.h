@@ -31,6 +31,7 @@
 
 #include "engine/dtype.h"
 #include "engine/kernels/packed_gemm.h"
+#include "engine/kernels/quant_gemm.h"
 #include "engine/status.h"
 
 namespace qkv {
@@ -40,7 +41,7 @@ inline constexpr int kTileRows = 128;
 // to at least the largest minimum bucket). Outputs are written for the m rows only.
 int PaddedRows(int m);
 
-enum class GemmBackend { kOneDnn, kPacked };
+enum class GemmBackend { kOneDnn, kPacked, kQuant };
 const char* GemmBackendName(GemmBackend b);
 // QKV_GEMM from the environment: auto (unset or "auto"), or a forced backend.
 StatusOr<std::optional<GemmBackend>> GemmBackendFromEnv();
@@ -68,8 +69,10 @@ class GemmRuntime {
   void* scratch(int thread) { return scratch_[thread].data(); }
   // A dense [kTileRows x slice] output buffer per thread (see Linear::Forward).
   float* out(int thread) { return out_[thread].data(); }
+  // Activations quantized for the layers on quantized weights (engine thread only).
+  QuantizedRows& quantized_rows() { return qrows_; }
   size_t scratch_bytes() const {
-    size_t n = 0;
+    size_t n = qrows_.bytes();
     for (const auto& s : scratch_) n += s.capacity();
     for (const auto& o : out_) n += o.capacity() * sizeof(float);
     return n;
@@ -101,6 +104,7 @@ class GemmRuntime {
   std::map<std::string, std::unique_ptr<Prim>> prims_;
   std::set<std::string> layers_;
   bool bf16_input_ = false;
+  QuantizedRows qrows_;
 };
 
 class Linear {
@@ -108,12 +112,19 @@ class Linear {
   // w: [n, k] row-major f32 (PyTorch's layout); bias: n values or nullptr.
   static StatusOr<std::unique_ptr<Linear>> Create(GemmRuntime& rt, const float* w, const float* bias, int n, int k,
                                                   DType dt);
+  // Weights kept in a ggml block format (quant_gemm.h), shared with whoever else reads them (the token
+  // embedding of a model with tied embeddings).
+  static StatusOr<std::unique_ptr<Linear>> CreateQuantized(GemmRuntime& rt, std::shared_ptr<const QuantWeights> w);
   int n() const { return n_; }
   int k() const { return k_; }
   DType dtype() const { return dt_; }
-  GemmBackend backend() const { return packed_ ? GemmBackend::kPacked : GemmBackend::kOneDnn; }
-  // The dtype Forward expects x in: the weights' dtype on oneDNN, always f32 on the packed backend.
-  DType input_dtype() const { return packed_ ? DType::kF32 : dt_; }
+  GemmBackend backend() const {
+    return quant_ ? GemmBackend::kQuant : packed_ ? GemmBackend::kPacked : GemmBackend::kOneDnn;
+  }
+  // The dtype Forward expects x in: the weights' dtype on oneDNN, always f32 on the packed and quantized
+  // backends.
+  DType input_dtype() const { return packed_ || quant_ ? DType::kF32 : dt_; }
+  const QuantWeights* quantized() const { return quant_.get(); }
   size_t weight_bytes() const { return weight_bytes_; }
 
   // x: m rows of k values in input_dtype() (f32, or bf16 as uint16), row stride k, storage for
@@ -137,6 +148,7 @@ class Linear {
   Status CreateOneDnn(const float* w, const float* bias, int min_bucket, bool same_kernel);
   GemmRuntime* rt_ = nullptr;
   std::unique_ptr<PackedWeights> packed_;
+  std::shared_ptr<const QuantWeights> quant_;
   int first_bucket_ = 0;  // buckets below it are padded up to it
   int n_ = 0, k_ = 0;
   DType dt_ = DType::kF32;

@@ -9,6 +9,10 @@ class DenseSwiGlu final : public Layer {
   std::string_view kind() const override { return "dense_swiglu"; }
   size_t weight_bytes() const override { return gate_up_->weight_bytes() + down_->weight_bytes() + 4 * norm_.size(); }
   size_t weight_bytes_per_token() const override { return gate_up_->weight_bytes() + down_->weight_bytes(); }
+  void ForEachLinear(const std::function<void(const Linear&)>& f) const override {
+    f(*gate_up_);
+    f(*down_);
+  }
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
@@ -29,12 +33,12 @@ StatusOr<std::unique_ptr<Layer>> DenseSwiGlu::Make(const LayerInit& in) {
   const auto H = static_cast<uint64_t>(c.hidden), F = static_cast<uint64_t>(c.ffn);
   const std::string p = "blk." + std::to_string(in.block) + ".";
   QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, p + "ffn_norm.weight", {H}));
-  QKV_ASSIGN_OR_RETURN(auto wg, ReadTensor(in.file, p + "ffn_gate.weight", {H, F}));
-  QKV_ASSIGN_OR_RETURN(auto wu, ReadTensor(in.file, p + "ffn_up.weight", {H, F}));
-  wg.insert(wg.end(), wu.begin(), wu.end());
-  QKV_ASSIGN_OR_RETURN(L->gate_up_, Linear::Create(in.gemm, wg.data(), nullptr, 2 * c.ffn, c.hidden, in.weights_dtype));
-  QKV_ASSIGN_OR_RETURN(auto wd, ReadTensor(in.file, p + "ffn_down.weight", {F, H}));
-  QKV_ASSIGN_OR_RETURN(L->down_, Linear::Create(in.gemm, wd.data(), nullptr, c.hidden, c.ffn, in.weights_dtype));
+  const int ffn = c.ffn;
+  QKV_ASSIGN_OR_RETURN(L->gate_up_, MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized,
+                                               {{p + "ffn_gate.weight", F, 0, ffn}, {p + "ffn_up.weight", F, 0, ffn}},
+                                               c.hidden, nullptr));
+  QKV_ASSIGN_OR_RETURN(L->down_, MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized,
+                                            {{p + "ffn_down.weight", H, 0, c.hidden}}, ffn, nullptr));
   return std::unique_ptr<Layer>(std::move(L));
 }
 

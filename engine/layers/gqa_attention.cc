@@ -17,6 +17,10 @@ class GqaAttention final : public Layer {
            4 * (norm_.size() + q_norm_.size() + k_norm_.size() + sinks_.size() + bias_floats_);
   }
   size_t weight_bytes_per_token() const override { return qkv_->weight_bytes() + o_->weight_bytes(); }
+  void ForEachLinear(const std::function<void(const Linear&)>& f) const override {
+    f(*qkv_);
+    f(*o_);
+  }
   CacheSpec cache() const override {  // K and V of every kv head
     return {int64_t{2} * c_.n_kv_heads * c_.head_dim * DTypeBytes(kv_dtype_), 0};
   }
@@ -46,9 +50,6 @@ StatusOr<std::unique_ptr<Layer>> GqaAttention::Make(const LayerInit& in) {
   const int q_rows = c.q_dim() * (c.attn_output_gate ? 2 : 1);
   const std::string p = "blk." + std::to_string(in.block) + ".";
   QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, p + "attn_norm.weight", {H}));
-  QKV_ASSIGN_OR_RETURN(auto wq, ReadTensor(in.file, p + "attn_q.weight", {H, static_cast<uint64_t>(q_rows)}));
-  QKV_ASSIGN_OR_RETURN(auto wk, ReadTensor(in.file, p + "attn_k.weight", {H, static_cast<uint64_t>(c.kv_dim())}));
-  QKV_ASSIGN_OR_RETURN(auto wv, ReadTensor(in.file, p + "attn_v.weight", {H, static_cast<uint64_t>(c.kv_dim())}));
   std::vector<float> bq, bk, bv;
   if (c.attention_bias) {
     QKV_ASSIGN_OR_RETURN(bq, ReadTensor(in.file, p + "attn_q.bias", {static_cast<uint64_t>(q_rows)}));
@@ -64,27 +65,27 @@ StatusOr<std::unique_ptr<Layer>> GqaAttention::Make(const LayerInit& in) {
   }
   // Fused QKV rows: [queries of all heads | gates of all heads | k | v]. With the output gate, the
   // file's q_proj interleaves [query, gate] per head (Qwen3-Next); de-interleave it here.
-  const size_t K = c.hidden;
-  std::vector<float> w;
+  const auto QR = static_cast<uint64_t>(q_rows), KVR = static_cast<uint64_t>(c.kv_dim());
+  const std::string tq = p + "attn_q.weight", tk = p + "attn_k.weight", tv = p + "attn_v.weight";
+  std::vector<WeightRows> rows;
   std::vector<float> b;
-  w.reserve((q_rows + 2 * c.kv_dim()) * K);
-  auto append_rows = [&](const std::vector<float>& src, const std::vector<float>& sb, int r0, int n) {
-    w.insert(w.end(), src.begin() + r0 * K, src.begin() + (r0 + n) * K);
+  auto append_rows = [&](const std::string& t, uint64_t total, const std::vector<float>& sb, int r0, int n) {
+    rows.push_back({t, total, r0, n});
     if (c.attention_bias) b.insert(b.end(), sb.begin() + r0, sb.begin() + r0 + n);
   };
   if (c.attn_output_gate) {
-    for (int h = 0; h < c.n_heads; ++h) append_rows(wq, bq, 2 * h * hd, hd);
-    for (int h = 0; h < c.n_heads; ++h) append_rows(wq, bq, 2 * h * hd + hd, hd);
+    for (int h = 0; h < c.n_heads; ++h) append_rows(tq, QR, bq, 2 * h * hd, hd);
+    for (int h = 0; h < c.n_heads; ++h) append_rows(tq, QR, bq, 2 * h * hd + hd, hd);
   } else {
-    append_rows(wq, bq, 0, q_rows);
+    append_rows(tq, QR, bq, 0, q_rows);
   }
-  append_rows(wk, bk, 0, c.kv_dim());
-  append_rows(wv, bv, 0, c.kv_dim());
+  append_rows(tk, KVR, bk, 0, c.kv_dim());
+  append_rows(tv, KVR, bv, 0, c.kv_dim());
   L->bias_floats_ = b.size();
-  QKV_ASSIGN_OR_RETURN(L->qkv_, Linear::Create(in.gemm, w.data(), c.attention_bias ? b.data() : nullptr,
-                                               q_rows + 2 * c.kv_dim(), c.hidden, in.weights_dtype));
-  QKV_ASSIGN_OR_RETURN(auto wo, ReadTensor(in.file, p + "attn_output.weight", {static_cast<uint64_t>(c.q_dim()), H}));
-  QKV_ASSIGN_OR_RETURN(L->o_, Linear::Create(in.gemm, wo.data(), nullptr, c.hidden, c.q_dim(), in.weights_dtype));
+  QKV_ASSIGN_OR_RETURN(L->qkv_, MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized, rows, c.hidden,
+                                           c.attention_bias ? b.data() : nullptr));
+  QKV_ASSIGN_OR_RETURN(L->o_, MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized,
+                                         {{p + "attn_output.weight", H, 0, c.hidden}}, c.q_dim(), nullptr));
   return std::unique_ptr<Layer>(std::move(L));
 }
 

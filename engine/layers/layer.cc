@@ -1,6 +1,7 @@
 #include "engine/layers/layer.h"
 
 #include <cmath>
+#include <map>
 
 #include "engine/bf16.h"
 
@@ -27,6 +28,70 @@ StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& na
     if (!std::isfinite(v)) return DataLoss("model: tensor '" + name + "' holds a non-finite value");
   }
   return out;
+}
+
+StatusOr<std::shared_ptr<const QuantWeights>> ReadQuantized(const GgufFile& f, const std::string& name, uint64_t rows,
+                                                            uint64_t k) {
+  const GgufTensor* t = f.FindTensor(name);
+  if (!t) return DataLoss("model: missing tensor '" + name + "'");
+  if (t->ne != std::vector<uint64_t>{k, rows}) {
+    return DataLoss("model: tensor '" + name + "' has shape " + ShapeStr(t->ne) + ", expected " + ShapeStr({k, rows}));
+  }
+  if (!GgmlIsQuantized(t->type)) return std::shared_ptr<const QuantWeights>();
+  if (k % 32 != 0) return DataLoss("model: quantized tensor '" + name + "' has rows that are not whole 32-blocks");
+  std::vector<float> row(k);
+  const uint64_t rb = GgmlRowBytes(t->type, k);
+  for (uint64_t r = 0; r < rows; ++r) {
+    DequantizeRow(t->type, t->data + r * rb, static_cast<int64_t>(k), row.data());
+    for (float v : row) {
+      if (!std::isfinite(v)) return DataLoss("model: tensor '" + name + "' holds a non-finite value");
+    }
+  }
+  return std::make_shared<const QuantWeights>(
+      std::vector<QuantWeights::Part>{{t->type, static_cast<int>(rows), t->data}}, static_cast<int>(k), nullptr);
+}
+
+StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gemm, DType dtype, bool keep_quantized,
+                                             const std::vector<WeightRows>& rows, int k, const float* bias) {
+  const auto K = static_cast<uint64_t>(k);
+  int n = 0;
+  bool quant = keep_quantized;
+  for (const WeightRows& r : rows) {
+    const GgufTensor* t = f.FindTensor(r.tensor);
+    if (!t) return DataLoss("model: missing tensor '" + r.tensor + "'");
+    if (t->ne != std::vector<uint64_t>{K, r.rows}) {
+      return DataLoss("model: tensor '" + r.tensor + "' has shape " + ShapeStr(t->ne) + ", expected " +
+                      ShapeStr({K, r.rows}));
+    }
+    quant = quant && GgmlIsQuantized(t->type) && k % 32 == 0;
+    n += r.n;
+  }
+  if (quant) {
+    std::map<std::string, bool> checked;
+    std::vector<QuantWeights::Part> parts;
+    for (const WeightRows& r : rows) {
+      if (!checked[r.tensor]) {
+        QKV_RETURN_IF_ERROR(ReadQuantized(f, r.tensor, r.rows, K).status());  // finite values
+        checked[r.tensor] = true;
+      }
+      const GgufTensor* t = f.FindTensor(r.tensor);
+      parts.push_back({t->type, r.n, t->data + static_cast<uint64_t>(r.r0) * GgmlRowBytes(t->type, K)});
+    }
+    return Linear::CreateQuantized(gemm, std::make_shared<const QuantWeights>(parts, k, bias));
+  }
+  std::map<std::string, std::vector<float>> read;
+  std::vector<float> w;
+  w.reserve(static_cast<size_t>(n) * k);
+  for (const WeightRows& r : rows) {
+    auto it = read.find(r.tensor);
+    if (it == read.end()) {
+      QKV_ASSIGN_OR_RETURN(std::vector<float> v, ReadTensor(f, r.tensor, {K, r.rows}));
+      it = read.emplace(r.tensor, std::move(v)).first;
+    }
+    w.insert(w.end(), it->second.begin() + static_cast<size_t>(r.r0) * k,
+             it->second.begin() + static_cast<size_t>(r.r0 + r.n) * k);
+  }
+  return Linear::Create(gemm, w.data(), bias, n, k, dtype);
 }
 
 void LayerScratch::Gemm(const Linear& lin, const float* x, int rows, float* y) const {

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -96,6 +97,8 @@ class Layer {
   virtual size_t weight_bytes() const = 0;            // resident
   virtual size_t weight_bytes_per_token() const = 0;  // GEMM weights a decoded token reads
   virtual CacheSpec cache() const { return {}; }
+  // Calls f on each GEMM the layer owns (for reports).
+  virtual void ForEachLinear(const std::function<void(const Linear&)>& f) const = 0;
 };
 
 // What a factory gets: the file, the shape, the block index, the GEMM runtime and dtypes, the RoPE table,
@@ -106,6 +109,7 @@ struct LayerInit {
   int block = 0;
   GemmRuntime& gemm;
   DType weights_dtype = DType::kBF16;
+  bool keep_quantized = true;  // quantized tensors stay in their block formats (WeightsMode auto)
   DType kv_dtype = DType::kBF16;
   int kv_layer = -1;
   const RopeTable* rope = nullptr;
@@ -124,6 +128,21 @@ std::vector<std::string_view> ModelLayerKinds(const ModelConfig& c, int block);
 
 // RoPE pairing per architecture, as llama.cpp defines it.
 RopeStyle RopeStyleOf(Arch a);
+
+// Rows [r0, r0 + n) of a 2-D weight tensor of `rows` rows (ggml ne = {k, rows}).
+struct WeightRows {
+  std::string tensor;
+  uint64_t rows;
+  int r0, n;
+};
+// A GEMM over the given rows stacked in order, with an optional bias. Kept in the tensors' ggml block
+// formats (Linear::CreateQuantized) when keep_quantized and every tensor is quantized; otherwise expanded
+// to f32 and created in `dtype`. Shapes are checked, and values must be finite.
+StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gemm, DType dtype, bool keep_quantized,
+                                             const std::vector<WeightRows>& rows, int k, const float* bias);
+// A quantized 2-D tensor [rows, k] as QuantWeights, or nullptr when it is not quantized.
+StatusOr<std::shared_ptr<const QuantWeights>> ReadQuantized(const GgufFile& f, const std::string& name, uint64_t rows,
+                                                            uint64_t k);
 
 // Reads a tensor as f32 after checking that its shape (ggml order) is exactly `ne` and its values finite.
 StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& name, std::vector<uint64_t> ne);

@@ -32,6 +32,18 @@ def gguf_seeds():
                         "--dtype", dtype], check=True, stdout=subprocess.DEVNULL)
         with open(path, "rb") as f:
             out("fuzz_gguf", f"tiny_{arch}_{dtype}.gguf", f.read())
+    # Quantized tensors: 32-value blocks on the tiny shape, and a K-quant mixture on 256-wide rows.
+    paths = {}
+    for width in (32, 256):
+        paths[width] = os.path.join(tmp, f"q{width}.json")
+        with open(paths[width], "w") as f:
+            json.dump(dict(cfg, hidden_size=width, intermediate_size=width, num_attention_heads=2), f)
+    for c, dtype in ((paths[32], "Q8_0"), (paths[32], "Q5_1"), (paths[256], "Q4_K_M")):
+        path = os.path.join(tmp, f"{dtype}.gguf")
+        subprocess.run([os.path.join(BIN, "qkv-model"), "random", "--config", c, "--out", path, "--arch", "llama",
+                        "--dtype", dtype], check=True, stdout=subprocess.DEVNULL)
+        with open(path, "rb") as f:
+            out("fuzz_gguf", f"tiny_llama_{dtype.lower()}.gguf", f.read())
 
 
 TEXTS = ["In the beginning God created the heaven and the earth.", "Hello, world! 123 4567 don't we'll",

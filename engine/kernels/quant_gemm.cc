@@ -1,0 +1,415 @@
+#include "engine/kernels/quant_gemm.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+namespace qkv {
+namespace {
+
+// Per type: Prepare decodes a block's (or super-block's) scales and offsets per 16 values; Q gives its
+// 32-value group j as int8 lanes in value order. Both follow DecodeRowI8 (quant.cc) exactly.
+inline float F16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline __m256i Load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m128i Load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+// 16 bytes → 32 nibbles: the low nibbles are values 0-15, the high ones 16-31.
+inline __m256i Nibbles(const uint8_t* p) {
+  const __m128i v = Load128(p), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// Byte i of the result is 0x10 when bit i of the 32 bits at p is set, else 0.
+inline __m256i Bits16(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i rep =
+      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)),
+                          _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(0x10));
+}
+inline __m256i Iq4(__m256i idx) {
+  const __m256i book = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  return _mm256_shuffle_epi8(book, idx);
+}
+inline __m256i Lo4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i Hi4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+// Bits (2 × s, 2 × s + 1) of each byte.
+inline __m256i Crumb(__m256i v, int s) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+}
+
+struct DecQ8_0 {
+  static constexpr int kValues = 32, kBytes = 34;
+  static constexpr bool kPer32 = true;
+  static void Prepare(const uint8_t* b, float* sc, float* off) {
+    sc[0] = sc[1] = F16(b);
+    off[0] = off[1] = 0;
+  }
+  static __m256i Q(const uint8_t* b, int) { return Load256(b + 2); }
+};
+struct DecQ4_0 {
+  static constexpr int kValues = 32, kBytes = 18;
+  static constexpr bool kPer32 = true;
+  static void Prepare(const uint8_t* b, float* sc, float* off) { DecQ8_0::Prepare(b, sc, off); }
+  static __m256i Q(const uint8_t* b, int) { return _mm256_sub_epi8(Nibbles(b + 2), _mm256_set1_epi8(8)); }
+};
+struct DecIq4Nl {
+  static constexpr int kValues = 32, kBytes = 18;
+  static constexpr bool kPer32 = true;
+  static void Prepare(const uint8_t* b, float* sc, float* off) { DecQ8_0::Prepare(b, sc, off); }
+  static __m256i Q(const uint8_t* b, int) { return Iq4(Nibbles(b + 2)); }
+};
+struct DecQ4_1 {
+  static constexpr int kValues = 32, kBytes = 20;
+  static constexpr bool kPer32 = true;
+  static void Prepare(const uint8_t* b, float* sc, float* off) {
+    sc[0] = sc[1] = F16(b);
+    off[0] = off[1] = -F16(b + 2);
+  }
+  static __m256i Q(const uint8_t* b, int) { return Nibbles(b + 4); }
+};
+struct DecQ5_0 {
+  static constexpr int kValues = 32, kBytes = 22;
+  static constexpr bool kPer32 = true;
+  static void Prepare(const uint8_t* b, float* sc, float* off) { DecQ8_0::Prepare(b, sc, off); }
+  static __m256i Q(const uint8_t* b, int) {
+    return _mm256_sub_epi8(_mm256_or_si256(Nibbles(b + 6), Bits16(b + 2)), _mm256_set1_epi8(16));
+  }
+};
+struct DecQ5_1 {
+  static constexpr int kValues = 32, kBytes = 24;
+  static constexpr bool kPer32 = true;
+  static void Prepare(const uint8_t* b, float* sc, float* off) { DecQ4_1::Prepare(b, sc, off); }
+  static __m256i Q(const uint8_t* b, int) { return _mm256_or_si256(Nibbles(b + 8), Bits16(b + 4)); }
+};
+struct DecQ2_K {
+  static constexpr int kValues = 256, kBytes = 84;
+  static constexpr bool kPer32 = false;
+  static void Prepare(const uint8_t* b, float* sc, float* off) {
+    const float d = F16(b + 80), dmin = F16(b + 82);
+    for (int g = 0; g < 16; ++g) {
+      sc[g] = d * static_cast<float>(b[g] & 0x0F);
+      off[g] = dmin * static_cast<float>(b[g] >> 4);
+    }
+  }
+  static __m256i Q(const uint8_t* b, int j) { return Crumb(Load256(b + 16 + (j / 4) * 32), j % 4); }
+};
+struct DecQ3_K {
+  static constexpr int kValues = 256, kBytes = 110;
+  static constexpr bool kPer32 = false;
+  static void Prepare(const uint8_t* b, float* sc, float* off) {
+    const float d = F16(b + 108);
+    const uint8_t* s = b + 96;
+    for (int g = 0; g < 16; ++g) {
+      const int lo = g < 8 ? (s[g] & 0x0F) : (s[g - 8] >> 4);
+      const int hi = (s[8 + (g % 4)] >> (2 * (g / 4))) & 3;
+      sc[g] = d * static_cast<float>((lo | (hi << 4)) - 32);
+      off[g] = 0;
+    }
+  }
+  static __m256i Q(const uint8_t* b, int j) {
+    const __m256i lo = Crumb(Load256(b + 32 + (j / 4) * 32), j % 4);
+    const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(Load256(b), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+    // lo − 4 where the high bit is clear: lo + 4·hb − 4
+    return _mm256_sub_epi8(_mm256_add_epi8(lo, _mm256_slli_epi16(hb, 2)), _mm256_set1_epi8(4));
+  }
+};
+template <bool kFive>
+struct DecQ45_K {
+  static constexpr int kValues = 256, kBytes = kFive ? 176 : 144;
+  static constexpr bool kPer32 = true;
+  // The eight 6-bit scales and mins, four bytes at a time (the layout is ScaleMinK4's in quant.cc).
+  static void Prepare(const uint8_t* b, float* sc, float* off) {
+    uint32_t u0, u1, u2;
+    std::memcpy(&u0, b + 4, 4);
+    std::memcpy(&u1, b + 8, 4);
+    std::memcpy(&u2, b + 12, 4);
+    const uint32_t sc_lo = u0 & 0x3F3F3F3Fu, m_lo = u1 & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
+    const __m256 s8 = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), 0, 0)));
+    const __m256 m8 =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(m_lo), static_cast<int>(m_hi), 0, 0)));
+    // Per 32 values: entries 2j and 2j + 1 of the per-16 arrays hold sub-block j's scale.
+    const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(F16(b)), s8), md = _mm256_mul_ps(_mm256_set1_ps(F16(b + 2)), m8);
+    const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3),
+                  dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    _mm256_storeu_ps(sc, _mm256_permutevar8x32_ps(sd, dup_lo));
+    _mm256_storeu_ps(sc + 8, _mm256_permutevar8x32_ps(sd, dup_hi));
+    _mm256_storeu_ps(off, _mm256_permutevar8x32_ps(md, dup_lo));
+    _mm256_storeu_ps(off + 8, _mm256_permutevar8x32_ps(md, dup_hi));
+  }
+  static __m256i Q(const uint8_t* b, int j) {
+    const __m256i v = Load256(b + (kFive ? 48 : 16) + (j / 2) * 32);
+    __m256i q = (j % 2) ? Hi4(v) : Lo4(v);
+    if constexpr (kFive) {
+      const __m256i h = _mm256_and_si256(_mm256_srl_epi16(Load256(b + 16), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(h, 4));
+    }
+    return q;
+  }
+};
+struct DecQ6_K {
+  static constexpr int kValues = 256, kBytes = 210;
+  static constexpr bool kPer32 = false;
+  static void Prepare(const uint8_t* b, float* sc, float* off) {
+    const float d = F16(b + 208);
+    for (int g = 0; g < 16; ++g) {
+      sc[g] = d * static_cast<float>(static_cast<int8_t>(b[192 + g]));
+      off[g] = 0;
+    }
+  }
+  static __m256i Q(const uint8_t* b, int j) {
+    const int h = j / 4, s = j % 4;
+    const __m256i l = Load256(b + h * 64 + (s & 1) * 32);
+    const __m256i lo = (s >> 1) ? Hi4(l) : Lo4(l);
+    const __m256i hi = Crumb(Load256(b + 128 + h * 32), s);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
+};
+struct DecIq4Xs {
+  static constexpr int kValues = 256, kBytes = 136;
+  static constexpr bool kPer32 = true;
+  static void Prepare(const uint8_t* b, float* sc, float* off) {
+    const float d = F16(b);
+    uint16_t sh;
+    std::memcpy(&sh, b + 2, 2);
+    for (int g = 0; g < 8; ++g) {
+      const int lo = (b[4 + g / 2] >> (4 * (g % 2))) & 0x0F, hi = (sh >> (2 * g)) & 3;
+      sc[2 * g] = sc[2 * g + 1] = d * static_cast<float>((lo | (hi << 4)) - 32);
+      off[2 * g] = off[2 * g + 1] = 0;
+    }
+  }
+  static __m256i Q(const uint8_t* b, int j) { return Iq4(Nibbles(b + 8 + 16 * j)); }
+};
+
+// Lanes added in a fixed order.
+inline float HSum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// R activation rows against C weight rows, decoded block by block in registers. Each output (row, column)
+// has its own accumulator and runs the same operations in the same order whatever R and C are, so the
+// tile shape (chosen from M) never changes a bit; it only decides how many independent chains and
+// memory streams run side by side.
+constexpr int kPrefetch = 384;  // bytes ahead in the weight row (measured: 384-768 best on an AVX2 EPYC)
+
+template <class D, int R, int C, bool kOff>
+void DotTile(const uint8_t* const* w, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const int kb = k / 32;
+  const int8_t* aq[R];
+  const float* as[R];
+  const float* a4[R];
+  for (int r = 0; r < R; ++r) {
+    const size_t row = static_cast<size_t>(r0 + r);
+    aq[r] = a.q.data() + row * k;
+    as[r] = a.scale.data() + row * kb;
+    a4[r] = a.sum4.data() + row * (k / 4);
+  }
+  constexpr int G = D::kValues / 32;
+  float sc16[C][16], off16[C][16];
+  for (int sb = 0; sb < k / D::kValues; ++sb) {
+    const uint8_t* blk[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      blk[c] = w[c] + static_cast<size_t>(sb) * D::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk[c]) + kPrefetch, _MM_HINT_T0);
+      D::Prepare(blk[c], sc16[c], off16[c]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      const int b = sb * G + j;
+      __m256i av[R];
+      __m256 asv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        av[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[r] + 32 * b));
+        asv[r] = _mm256_broadcast_ss(as[r] + b);
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m256i wv = D::Q(blk[c], j);
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);
+        // One scale (and offset) per 32 values, or one per 16 (lanes 0-3 and 4-7). The lanes' values are
+        // the same either way: scale × activation scale, rounded once.
+        __m256 sc, off;
+        if constexpr (D::kPer32) {
+          sc = _mm256_set1_ps(sc16[c][2 * j]);
+          if constexpr (kOff) off = _mm256_set1_ps(off16[c][2 * j]);
+        } else {
+          sc = _mm256_set_m128(_mm_set1_ps(sc16[c][2 * j + 1]), _mm_set1_ps(sc16[c][2 * j]));
+          if constexpr (kOff) off = _mm256_set_m128(_mm_set1_ps(off16[c][2 * j + 1]), _mm_set1_ps(off16[c][2 * j]));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(av[r], wv));
+          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+          acc[r][c] = _mm256_fmadd_ps(p, _mm256_mul_ps(sc, asv[r]), acc[r][c]);
+          if constexpr (kOff) acc[r][c] = _mm256_fnmadd_ps(off, _mm256_loadu_ps(a4[r] + 8 * b), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = HSum(acc[r][c]);
+}
+
+// All rows of `a` against C weight rows of type D; out is [a.m][ldo].
+template <class D, int C, bool kOff>
+void DotCols(const uint8_t* const* w, int k, const QuantizedRows& a, float* out, int ldo) {
+  int r = 0;
+  if constexpr (C <= 2) {
+    for (; r + 4 <= a.m; r += 4) DotTile<D, 4, C, kOff>(w, k, a, r, out + r * ldo, ldo);
+  }
+  for (; r < a.m; ++r) DotTile<D, 1, C, kOff>(w, k, a, r, out + r * ldo, ldo);
+}
+
+// C weight rows of one type: one at a time for fewer than 4 activation rows (decode: one sequential
+// stream through the weights reads fastest, 20-23 GB/s on 2 threads against 9-13 with 2 or 4 rows side
+// by side, measured on an AVX2 EPYC), 2 at a time with 4 activation rows otherwise.
+template <class D, bool kOff>
+void DotType(const uint8_t* const* w, int n, int k, const QuantizedRows& a, float* out, int ldo) {
+  int c = 0;
+  if (a.m < 4) {
+    for (; c < n; ++c) DotCols<D, 1, kOff>(w + c, k, a, out + c, ldo);
+  } else {
+    for (; c + 2 <= n; c += 2) DotCols<D, 2, kOff>(w + c, k, a, out + c, ldo);
+  }
+  for (; c < n; ++c) DotCols<D, 1, kOff>(w + c, k, a, out + c, ldo);
+}
+
+void Dot(GgmlType t, const uint8_t* const* w, int n, int k, const QuantizedRows& a, float* out, int ldo) {
+  switch (t) {
+    case GgmlType::kQ8_0: return DotType<DecQ8_0, false>(w, n, k, a, out, ldo);
+    case GgmlType::kQ4_0: return DotType<DecQ4_0, false>(w, n, k, a, out, ldo);
+    case GgmlType::kQ4_1: return DotType<DecQ4_1, true>(w, n, k, a, out, ldo);
+    case GgmlType::kQ5_0: return DotType<DecQ5_0, false>(w, n, k, a, out, ldo);
+    case GgmlType::kQ5_1: return DotType<DecQ5_1, true>(w, n, k, a, out, ldo);
+    case GgmlType::kQ2_K: return DotType<DecQ2_K, true>(w, n, k, a, out, ldo);
+    case GgmlType::kQ3_K: return DotType<DecQ3_K, false>(w, n, k, a, out, ldo);
+    case GgmlType::kQ4_K: return DotType<DecQ45_K<false>, true>(w, n, k, a, out, ldo);
+    case GgmlType::kQ5_K: return DotType<DecQ45_K<true>, true>(w, n, k, a, out, ldo);
+    case GgmlType::kQ6_K: return DotType<DecQ6_K, false>(w, n, k, a, out, ldo);
+    case GgmlType::kIQ4_NL: return DotType<DecIq4Nl, false>(w, n, k, a, out, ldo);
+    case GgmlType::kIQ4_XS: return DotType<DecIq4Xs, false>(w, n, k, a, out, ldo);
+    default: return;
+  }
+}
+
+}  // namespace
+
+void QuantizedRows::Resize(int rows, int cols) {
+  m = rows, k = cols;
+  const size_t n = static_cast<size_t>(rows) * cols;
+  if (q.size() < n) q.resize(n), scale.resize(n / 32), sum4.resize(n / 4);
+}
+
+void QuantizedRows::Quantize(const float* x, int r0, int r1) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i ones8 = _mm256_set1_epi8(1);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int r = r0; r < r1; ++r) {
+    const float* xr = x + static_cast<size_t>(r) * k;
+    int8_t* qr = q.data() + static_cast<size_t>(r) * k;
+    float* sr = scale.data() + static_cast<size_t>(r) * (k / 32);
+    float* s4 = sum4.data() + static_cast<size_t>(r) * (k / 4);
+    for (int b = 0; b < k / 32; ++b) {
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xr + 32 * b + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float mx = _mm_cvtss_f32(m4);
+      const float d = mx / 127.0f;
+      const __m256 id = _mm256_set1_ps(mx != 0 ? 127.0f / mx : 0.0f);
+      __m256i i[4];
+      for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // nearest, ties to even
+      const __m256i p = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), perm);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + 32 * b), p);
+      sr[b] = d;
+      const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
+      _mm256_storeu_ps(s4 + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d)));
+    }
+  }
+}
+
+QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* bias) : k_(k) {
+  size_t total = 0;
+  for (const Part& p : parts) total += GgmlRowBytes(p.type, k) * p.rows;
+  data_.resize(total);
+  size_t off = 0;
+  for (const Part& p : parts) {
+    const size_t rb = GgmlRowBytes(p.type, k);
+    std::memcpy(data_.data() + off, p.data, rb * p.rows);
+    for (int r = 0; r < p.rows; ++r) rows_.push_back({p.type, off + rb * r});
+    off += rb * p.rows;
+    n_ += p.rows;
+  }
+  if (bias) bias_.assign(bias, bias + n_);
+}
+
+std::string QuantWeights::types() const {
+  std::vector<GgmlType> seen;
+  for (const Row& r : rows_)
+    if (std::find(seen.begin(), seen.end(), r.type) == seen.end()) seen.push_back(r.type);
+  std::string s;
+  for (GgmlType t : seen) {
+    if (!s.empty()) s.push_back('+');
+    s.append(GgmlTypeName(t));
+  }
+  return s;
+}
+
+void QuantWeights::DequantizeRow(int r, float* dst) const {
+  qkv::DequantizeRow(rows_[r].type, data_.data() + rows_[r].offset, k_, dst);
+}
+
+void QuantWeights::Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const {
+  // Columns in runs of one type, 64 at a time (the tile's output stays in L1).
+  constexpr int kRun = 64;
+  thread_local std::vector<float> out;
+  out.resize(static_cast<size_t>(a.m) * kRun);
+  const uint8_t* w[kRun];
+  for (int c = c0; c < c1;) {
+    int n = 0;
+    const GgmlType t = rows_[c].type;
+    while (c + n < c1 && n < kRun && rows_[c + n].type == t) {
+      w[n] = data_.data() + rows_[c + n].offset;
+      ++n;
+    }
+    Dot(t, w, n, k_, a, out.data(), kRun);
+    for (int r = 0; r < a.m; ++r) {
+      float* yr = y + static_cast<size_t>(r) * ldy + c;
+      const float* o = out.data() + static_cast<size_t>(r) * kRun;
+      if (bias_.empty()) {
+        std::memcpy(yr, o, sizeof(float) * n);
+      } else {
+        for (int i = 0; i < n; ++i) yr[i] = o[i] + bias_[c + i];
+      }
+    }
+    c += n;
+  }
+}
+
+}  // namespace qkv
