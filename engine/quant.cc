@@ -457,10 +457,31 @@ void QuantizeBlock(GgmlType t, const float* x, uint8_t* b) {
       for (int j = 0; j < nsub; ++j) isc[j] = QScale(s[j], d, 0, smax), imn[j] = QScale(m[j], dmin, 0, smax);
       int q[QK];
       for (int j = 0; j < nsub; ++j) {
-        const float S = d * static_cast<float>(isc[j]), M = dmin * static_cast<float>(imn[j]);
-        const float iS = S != 0 ? 1.0f / S : 0.0f;
-        for (int l = 0; l < sub; ++l)
-          q[j * sub + l] = std::clamp(static_cast<int>(std::nearbyint((x[j * sub + l] + M) * iS)), 0, qmax);
+        // The integer scale and min nearest the float fit, or a neighbour of each if that fits better.
+        const float* xs = x + j * sub;
+        auto err = [&](int sc, int mn, int* out) {
+          const float S = d * static_cast<float>(sc), M = dmin * static_cast<float>(mn);
+          const float iS = S != 0 ? 1.0f / S : 0.0f;
+          double e = 0;
+          for (int l = 0; l < sub; ++l) {
+            const int v = std::clamp(static_cast<int>(std::nearbyint((xs[l] + M) * iS)), 0, qmax);
+            if (out) out[l] = v;
+            const float r = xs[l] - (S * static_cast<float>(v) - M);
+            e += double(r) * r;
+          }
+          return e;
+        };
+        int bs = isc[j], bm = imn[j];
+        double best = err(bs, bm, nullptr);
+        for (int ds = -1; ds <= 1; ++ds)
+          for (int dm = -1; dm <= 1; ++dm) {
+            const int sc = isc[j] + ds, mn = imn[j] + dm;
+            if ((ds == 0 && dm == 0) || sc < 0 || sc > smax || mn < 0 || mn > smax) continue;
+            const double e = err(sc, mn, nullptr);
+            if (e < best) best = e, bs = sc, bm = mn;
+          }
+        isc[j] = bs, imn[j] = bm;
+        err(bs, bm, q + j * sub);
       }
       if (two) {
         for (int j = 0; j < 16; ++j) b[j] = static_cast<uint8_t>(isc[j] | (imn[j] << 4));

@@ -61,7 +61,7 @@ def main():
             w.write_kv_data_to_file()
             w.write_tensors_to_file()
             w.close()
-            checks = [(path, "t", raw)]
+            checks = [(path, "t", raw, qtype)]
             # 2. our encoder, through a random model
             mpath = os.path.join(tmp, name + "_model.gguf")
             subprocess.run([qkv_model, "random", "--config", cfg, "--out", mpath, "--dtype", name, "--seed", "3"],
@@ -69,9 +69,9 @@ def main():
             r = gguf.GGUFReader(mpath)
             for t in r.tensors:
                 if t.name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
-                    checks.append((mpath, t.name, np.array(t.data)))
-            for p, tname, data in checks:
-                ref = quants.dequantize(data, qtype).astype(np.float32).ravel()
+                    checks.append((mpath, t.name, np.array(t.data), t.tensor_type))
+            for p, tname, data, ttype in checks:
+                ref = quants.dequantize(data, ttype).astype(np.float32).ravel()
                 out = os.path.join(tmp, "out.f32")
                 subprocess.run([qkv_model, "dequant", p, "--tensor", tname, "--out", out], check=True,
                                stdout=subprocess.DEVNULL)
@@ -80,10 +80,10 @@ def main():
                 if not same:
                     fails += 1
                     bad = np.nonzero(ours.view(np.uint32) != ref.view(np.uint32))[0] if ours.shape == ref.shape else []
-                    print(f"FAIL {name} {os.path.basename(p)}:{tname}: {len(bad)} of {ref.size} values differ"
+                    print(f"FAIL {ttype.name} {os.path.basename(p)}:{tname}: {len(bad)} of {ref.size} values differ"
                           + (f", first at {bad[0]}: ours {ours[bad[0]]!r} gguf-py {ref[bad[0]]!r}" if len(bad) else ""))
                 else:
-                    print(f"ok   {name} {os.path.basename(p)}:{tname}: {ref.size} values bit-identical")
+                    print(f"ok   {ttype.name} {os.path.basename(p)}:{tname}: {ref.size} values bit-identical")
     print("dequant:", "all bit-identical" if fails == 0 else f"{fails} failed")
     return 1 if fails else 0
 

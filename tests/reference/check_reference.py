@@ -7,6 +7,10 @@ compares with the reference computed in float64:
   * f32 weights + f32 KV: max |Δlogit| <= 1e-4;
   * bf16 weights + bf16 KV (the default): max |Δlogit| <= 1% of the largest |logit|, and the same
     argmax at every position where the reference's top-two gap exceeds that tolerance.
+  * weights kept quantized (every block type, through llama-quantize's presets): the reference runs on the
+    file's dequantized twin (`qkv-model quantize --type F32`, whose values equal gguf-py's dequantization,
+    tests/reference/check_dequant.py), and max |Δlogit| <= QUANT_REL of the largest |logit| (the
+    activations are quantized to 8 bits per 32 values), with the same argmax where the gap is clear.
 Usage: check_reference.py BIN_DIR [--only NAME]
 """
 import argparse
@@ -26,6 +30,11 @@ F32_TOL = 1e-4
 # bf16 weights and activations carry 8 significant bits, so bf16 logits are compared relative to the
 # logits' scale: max |Δlogit| <= BF16_REL × max |reference logit|. Measured worst case: docs/correctness.md.
 BF16_REL = 0.01
+
+# Measured worst case over the presets below: docs/correctness.md.
+QUANT_REL = 0.02
+QUANT_PRESETS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL",
+                 "IQ4_XS"]
 
 BASE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
         "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 256,
@@ -103,8 +112,43 @@ def main():
             ok &= d <= tol and bool(agree.all())
             print(f"{'ok  ' if ok else 'FAIL'} {name:20s} {arch:6s} {fdt:5s} " + "; ".join(msgs), flush=True)
             failures += not ok
+        # Quantized weights: 256-wide rows so that the K-quant types apply (with their fallbacks elsewhere).
+        worst_q = 0.0
+        qcfg = dict(BASE, hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+        cpath = os.path.join(tmp, "q.json")
+        with open(cpath, "w") as f:
+            json.dump(qcfg, f)
+        tokens = rng.integers(0, qcfg["vocab_size"], size=48).tolist()
+        for i, preset in enumerate(QUANT_PRESETS):
+            if args.only and args.only != preset:
+                continue
+            arch = ("llama", "qwen2", "qwen3")[i % 3]
+            mpath, twin, lpath = (os.path.join(tmp, preset + s) for s in (".gguf", "_f32.gguf", ".bin"))
+            qm = os.path.join(args.bindir, "qkv-model")
+            subprocess.run([qm, "random", "--config", cpath, "--out", mpath, "--arch", arch, "--dtype", preset,
+                            "--seed", str(i)], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([qm, "quantize", mpath, twin, "--type", "F32", "--quiet"], check=True,
+                           stdout=subprocess.DEVNULL)
+            ref = Reference(twin).logits(tokens).numpy()
+            ours = run_logits(args.bindir, mpath, tokens, "auto", "f32", 512, lpath)
+            chunked = run_logits(args.bindir, mpath, tokens, "auto", "f32", 7, lpath)
+            d = float(np.abs(ours - ref).max())
+            scale = float(np.abs(ref).max())
+            tol = QUANT_REL * scale
+            worst_q = max(worst_q, d / scale)
+            top2 = np.sort(ref, axis=1)[:, -2:]
+            clear = (top2[:, 1] - top2[:, 0]) > tol
+            agree = (ours.argmax(1) == ref.argmax(1))[clear]
+            same = bool(np.array_equal(ours, chunked))
+            ok = d <= tol and bool(agree.all()) and same
+            print(f"{'ok  ' if ok else 'FAIL'} {preset:20s} {arch:6s} quantized max|d|={d:.4f} "
+                  f"({100 * d / scale:.2f}% of {scale:.1f}) argmax {int(agree.sum())}/{int(clear.sum())} clear "
+                  f"positions; chunks of 7 {'identical' if same else 'DIFFER'}", flush=True)
+            failures += not ok
     print(f"worst bf16 deviation {100 * worst_bf16:.2f}% of the logit scale (tolerance {100 * BF16_REL:.0f}%)")
-    print(f"{len(CONFIGS) - failures if not args.only else 1 - failures} passed, {failures} failed")
+    print(f"worst quantized deviation {100 * worst_q:.2f}% of the logit scale (tolerance {100 * QUANT_REL:.0f}%)")
+    total = len(CONFIGS) + len(QUANT_PRESETS)
+    print(f"{total - failures if not args.only else 1 - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 
