@@ -295,8 +295,11 @@ void Linear::Forward(const void* x, int m, float* y) const {
       for (int t = 0; t < nthr; ++t) a.Quantize(xf, m * t / nthr, m * (t + 1) / nthr);
 #pragma omp for schedule(static)
       for (int t = 0; t < nthr; ++t) {
-        quant_->Compute(a, static_cast<int>(static_cast<int64_t>(n_) * t / nthr),
-                        static_cast<int>(static_cast<int64_t>(n_) * (t + 1) / nthr), y, n_);
+        // Slices of whole interleaved groups.
+        const int groups = (n_ + kInterleave - 1) / kInterleave;
+        const int g0 = static_cast<int>(static_cast<int64_t>(groups) * t / nthr);
+        const int g1 = static_cast<int>(static_cast<int64_t>(groups) * (t + 1) / nthr);
+        quant_->Compute(a, std::min(n_, g0 * kInterleave), std::min(n_, g1 * kInterleave), y, n_);
       }
     }
     return;

@@ -32,6 +32,11 @@ struct QuantizedRows {
   size_t bytes() const { return q.capacity() + (scale.capacity() + sum4.capacity()) * sizeof(float); }
 };
 
+// Rows are stored in groups of kInterleave whose blocks alternate (row 0 block 0, row 1 block 0, ...,
+// row 0 block 1, ...): decode reads a group as one sequential stream. Rows past the last whole group are
+// stored one after another. The bytes are the file's, reordered; nothing is added.
+inline constexpr int kInterleave = 4;
+
 class QuantWeights {
  public:
   // `rows` consecutive weight rows of one type: row r of the part starts at data + r × row_bytes.
@@ -49,13 +54,15 @@ class QuantWeights {
   std::string types() const;
   // Row r expanded to f32 (as DequantizeRow).
   void DequantizeRow(int r, float* dst) const;
-  // y[i, c] for rows i < a.m and columns c in [c0, c1); y has row stride ldy.
+  // y[i, c] for rows i < a.m and columns c in [c0, c1); y has row stride ldy. Column ranges that start
+  // and end on multiples of kInterleave read whole groups.
   void Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const;
 
  private:
   struct Row {
     GgmlType type;
-    size_t offset;
+    size_t offset;  // of its first block
+    size_t stride;  // bytes from one of its blocks to the next
   };
   int n_ = 0, k_ = 0;
   std::vector<uint8_t> data_;
