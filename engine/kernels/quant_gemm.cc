@@ -402,7 +402,8 @@ std::string QuantWeights::types() const {
 void QuantWeights::DequantizeRow(int r, float* dst) const {
   const Row& row = rows_[r];
   const int bs = static_cast<int>(GgmlBlockSize(row.type));
-  for (int b = 0; b < k_ / bs; ++b) qkv::DequantizeRow(row.type, data_.data() + row.offset + b * row.stride, bs, dst + b * bs);
+  for (int b = 0; b < k_ / bs; ++b)
+    qkv::DequantizeRow(row.type, data_.data() + row.offset + b * row.stride, bs, dst + b * bs);
 }
 
 void QuantWeights::Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const {

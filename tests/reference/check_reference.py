@@ -70,6 +70,20 @@ def run_logits(bindir, model, tokens, wdt, kdt, chunk, out):
     return np.fromfile(out, dtype="<f4").reshape(len(tokens), -1).astype(np.float64)
 
 
+def relative_check(ours, ref, rel):
+    """max |Δ| relative to the reference's logit scale, and whether the argmax agrees at every position whose
+    top-two gap exceeds the tolerance: (d, scale, ok, text)."""
+    d = float(np.abs(ours - ref).max())
+    scale = float(np.abs(ref).max())
+    tol = rel * scale
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > tol
+    agree = (ours.argmax(1) == ref.argmax(1))[clear]
+    text = (f"max|d|={d:.4f} ({100 * d / scale:.2f}% of {scale:.1f}) argmax {int(agree.sum())}/{int(clear.sum())} "
+            f"clear positions")
+    return d, scale, d <= tol and bool(agree.all()), text
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("bindir")
@@ -100,16 +114,10 @@ def main():
                 ok &= d <= F32_TOL
             ref_bf = Reference(mpath, round_weights_bf16=True).logits(tokens).numpy()
             ours = run_logits(args.bindir, mpath, tokens, "bf16", "bf16", 512, lpath)
-            d = float(np.abs(ours - ref_bf).max())
-            scale = float(np.abs(ref_bf).max())
-            tol = BF16_REL * scale
+            d, scale, good, text = relative_check(ours, ref_bf, BF16_REL)
             worst_bf16 = max(worst_bf16, d / scale)
-            top2 = np.sort(ref_bf, axis=1)[:, -2:]
-            clear = (top2[:, 1] - top2[:, 0]) > tol
-            agree = (ours.argmax(1) == ref_bf.argmax(1))[clear]
-            msgs.append(f"bf16 max|d|={d:.3f} ({100 * d / scale:.2f}% of {scale:.1f}) argmax "
-                        f"{int(agree.sum())}/{int(clear.sum())} clear positions")
-            ok &= d <= tol and bool(agree.all())
+            msgs.append("bf16 " + text)
+            ok &= good
             print(f"{'ok  ' if ok else 'FAIL'} {name:20s} {arch:6s} {fdt:5s} " + "; ".join(msgs), flush=True)
             failures += not ok
         # Quantized weights: 256-wide rows so that the K-quant types apply (with their fallbacks elsewhere).
@@ -132,18 +140,12 @@ def main():
             ref = Reference(twin).logits(tokens).numpy()
             ours = run_logits(args.bindir, mpath, tokens, "auto", "f32", 512, lpath)
             chunked = run_logits(args.bindir, mpath, tokens, "auto", "f32", 7, lpath)
-            d = float(np.abs(ours - ref).max())
-            scale = float(np.abs(ref).max())
-            tol = QUANT_REL * scale
+            d, scale, good, text = relative_check(ours, ref, QUANT_REL)
             worst_q = max(worst_q, d / scale)
-            top2 = np.sort(ref, axis=1)[:, -2:]
-            clear = (top2[:, 1] - top2[:, 0]) > tol
-            agree = (ours.argmax(1) == ref.argmax(1))[clear]
             same = bool(np.array_equal(ours, chunked))
-            ok = d <= tol and bool(agree.all()) and same
-            print(f"{'ok  ' if ok else 'FAIL'} {preset:20s} {arch:6s} quantized max|d|={d:.4f} "
-                  f"({100 * d / scale:.2f}% of {scale:.1f}) argmax {int(agree.sum())}/{int(clear.sum())} clear "
-                  f"positions; chunks of 7 {'identical' if same else 'DIFFER'}", flush=True)
+            ok = good and same
+            print(f"{'ok  ' if ok else 'FAIL'} {preset:20s} {arch:6s} quantized {text}; chunks of 7 "
+                  f"{'identical' if same else 'DIFFER'}", flush=True)
             failures += not ok
     print(f"worst bf16 deviation {100 * worst_bf16:.2f}% of the logit scale (tolerance {100 * BF16_REL:.0f}%)")
     print(f"worst quantized deviation {100 * worst_q:.2f}% of the logit scale (tolerance {100 * QUANT_REL:.0f}%)")
