@@ -56,4 +56,14 @@ set -e
 [ $rc -eq 1 ] && grep -q "wrong shape" <<<"$out" || fail "bad tokenizer.json: rc=$rc, $out"
 echo '{"hidden_size": 64}' > "$tmp/bad.json"
 expect_error "missing 'num_hidden_layers'" "$bin/qkv-model" random --config "$tmp/bad.json" --out "$tmp/x.gguf"
-echo "tools_cli: 12 passed, 0 failed"
+# Quantize: a Q4_K_M file (64-wide rows: llama-quantize's fallbacks) runs kept quantized, is about a quarter
+# of the f32 file, and refuses to overwrite its input or take an unknown preset.
+"$bin/qkv-model" random --config "$tmp/c.json" --out "$tmp/f.gguf" --arch llama --dtype f32 --seed 5 >/dev/null
+"$bin/qkv-model" quantize "$tmp/f.gguf" "$tmp/q.gguf" --type Q4_K_M --quiet > "$tmp/q.txt"
+grep -q "blk.0.attn_q.weight *f32 *-> q5_0" "$tmp/q.txt" || fail "Q4_K_M on 64-wide rows should fall back to q5_0: $(cat "$tmp/q.txt")"
+[ $(stat -c %s "$tmp/q.gguf") -lt $(( $(stat -c %s "$tmp/f.gguf") / 3 )) ] || fail "quantized file is not smaller"
+log=$("$bin/qkv-run" --model "$tmp/q.gguf" --tokens 1,2,3 -n 4 --temperature 0 --log-level info 2>&1)
+grep -q "(quantized)" <<<"$log" || fail "the quantized file was not run quantized: $log"
+expect_error "same file" "$bin/qkv-model" quantize "$tmp/q.gguf" "$tmp/q.gguf" --type Q8_0
+expect_error "must be one of" "$bin/qkv-model" quantize "$tmp/f.gguf" "$tmp/q2.gguf" --type Q4_K_X
+echo "tools_cli: 16 passed, 0 failed"

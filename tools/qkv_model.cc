@@ -1,13 +1,16 @@
 // qkv-model: make and inspect model files.
-//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3] [--dtype f32|f16|bf16|q8_0]
-//   [--seed N] qkv-model info MODEL.gguf qkv-model tokenize --model MODEL.gguf [--decode] [--parse-special]
-//   [--add-special]
+//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3] [--dtype TYPE|PRESET] [--seed N]
+//   qkv-model quantize IN.gguf OUT.gguf --type PRESET [--threads N] [--quiet]
+//   qkv-model info MODEL.gguf
+//   qkv-model dequant MODEL.gguf --tensor NAME --out FILE
+//   qkv-model tokenize (--model MODEL.gguf | --tokenizer tokenizer.json) [--decode] [--parse-special] [--add-special]
 //     reads one JSON string per line and prints one JSON array of ids per line (--decode: the reverse)
-#include <unistd.h>
-
+//   qkv-model plan --config CONFIG.json [--memory SIZE] [--context N] [--dtype bf16|f16|f32] [--json]
+//   qkv-model cpu
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -151,6 +154,10 @@ int Quantize(const std::string& in, const std::string& out, const std::string& t
   const std::optional<qkv::QuantPreset> p = qkv::FindQuantPreset(type);
   if (!p)
     return Fail(qkv::InvalidArgument("--type must be one of " + qkv::QuantPresetNames() + ", got '" + type + "'"));
+  std::error_code ec;
+  if (std::filesystem::exists(out) && std::filesystem::equivalent(in, out, ec)) {
+    return Fail(qkv::InvalidArgument("quantize: the output is the same file as the input ('" + in + "')"));
+  }
   std::vector<qkv::QuantizedTensorReport> report;
   const bool bar = !quiet && isatty(2);
   auto progress = [&](uint64_t done, uint64_t total) {
