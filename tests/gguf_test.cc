@@ -8,6 +8,7 @@
 #include <random>
 
 #include "engine/model.h"
+#include "engine/random_model.h"
 #include "engine/tokenizer.h"
 #include "tests/test_util.h"
 
@@ -169,53 +170,60 @@ TEST(Gguf, ModelLoadNamesMissingAndMisshapenTensors) {
 
 // Truncates and corrupts a valid model many times: parsing and loading must fail cleanly or succeed,
 // never crash or read out of bounds (run under ASan/valgrind to see the latter).
+// Also on a quantized file (Q4_K_M on 256-wide rows: Q4_K, Q6_K and Q5_0 tensors), whose corrupted scales
+// must not crash the load either.
 TEST(Gguf, FuzzedFilesNeverCrash) {
-  const std::string path = testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "fuzz_src");
-  const std::vector<uint8_t> good = ReadAll(path);
-  ASSERT_GT(good.size(), 1000u);
-  std::mt19937_64 rng(123);
-  int parsed_ok = 0, failed = 0, loaded = 0;
-  const std::string mutated = testing::TempDir() + "/mutated.gguf";
-  for (int it = 0; it < 3000; ++it) {
-    std::vector<uint8_t> b = good;
-    switch (it % 3) {
-      case 0: b.resize(rng() % b.size()); break;  // truncation
-      case 1: {                                   // flips in the header/metadata region
-        const int flips = 1 + rng() % 4;
-        const size_t region = std::min<size_t>(b.size(), 24000);
-        for (int k = 0; k < flips; ++k) b[rng() % region] ^= static_cast<uint8_t>(1u << (rng() % 8));
-        break;
+  ModelConfig qcfg = testing::SmallConfig(Arch::kQwen2);
+  qcfg.hidden = 256, qcfg.ffn = 256, qcfg.head_dim = 32, qcfg.rotary_dim = 32;
+  const std::string qpath = testing::TempDir() + "/fuzz_src_q4_k_m.gguf";
+  ASSERT_TRUE(WriteRandomModel(qcfg, {GgmlType::kF32, 1, "Q4_K_M"}, qpath).ok());
+  for (const std::string& path : {testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "fuzz_src"), qpath}) {
+    const std::vector<uint8_t> good = ReadAll(path);
+    ASSERT_GT(good.size(), 1000u);
+    std::mt19937_64 rng(123);
+    int parsed_ok = 0, failed = 0, loaded = 0;
+    const std::string mutated = testing::TempDir() + "/mutated.gguf";
+    for (int it = 0; it < 3000; ++it) {
+      std::vector<uint8_t> b = good;
+      switch (it % 3) {
+        case 0: b.resize(rng() % b.size()); break;  // truncation
+        case 1: {                                   // flips in the header/metadata region
+          const int flips = 1 + rng() % 4;
+          const size_t region = std::min<size_t>(b.size(), 24000);
+          for (int k = 0; k < flips; ++k) b[rng() % region] ^= static_cast<uint8_t>(1u << (rng() % 8));
+          break;
+        }
+        default: {  // random bytes anywhere, including 0xff runs that make huge lengths
+          const size_t at = rng() % b.size();
+          for (size_t k = at; k < std::min(b.size(), at + 8); ++k)
+            b[k] = (rng() % 2) ? 0xff : static_cast<uint8_t>(rng());
+          break;
+        }
       }
-      default: {  // random bytes anywhere, including 0xff runs that make huge lengths
-        const size_t at = rng() % b.size();
-        for (size_t k = at; k < std::min(b.size(), at + 8); ++k)
-          b[k] = (rng() % 2) ? 0xff : static_cast<uint8_t>(rng());
-        break;
+      auto f = GgufFile::Parse(b);
+      if (!f.ok()) {
+        ++failed;
+        EXPECT_FALSE(f.status().message().empty());
+        continue;
+      }
+      ++parsed_ok;
+      (void)ModelConfig::FromGguf(**f);
+      (void)LoadTokenizerFromGguf(**f);
+      if (it % 10 == 1) {  // full loads are slower: every tenth corrupted file
+        std::ofstream(mutated, std::ios::binary)
+            .write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+        ModelOptions mo;
+        mo.n_threads = 1;
+        mo.max_batch_tokens = 8;
+        mo.max_context = 64;  // a corrupted context_length must not make the test allocate gigabytes
+        auto m = Model::Load(mutated, mo);
+        if (m.ok()) ++loaded;
       }
     }
-    auto f = GgufFile::Parse(b);
-    if (!f.ok()) {
-      ++failed;
-      EXPECT_FALSE(f.status().message().empty());
-      continue;
-    }
-    ++parsed_ok;
-    (void)ModelConfig::FromGguf(**f);
-    (void)LoadTokenizerFromGguf(**f);
-    if (it % 10 == 1) {  // full loads are slower: every tenth corrupted file
-      std::ofstream(mutated, std::ios::binary)
-          .write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-      ModelOptions mo;
-      mo.n_threads = 1;
-      mo.max_batch_tokens = 8;
-      mo.max_context = 64;  // a corrupted context_length must not make the test allocate gigabytes
-      auto m = Model::Load(mutated, mo);
-      if (m.ok()) ++loaded;
-    }
+    EXPECT_GT(failed, 1000) << path;
+    EXPECT_GT(parsed_ok, 100) << path;
+    std::printf("fuzz %s: %d rejected, %d parsed, %d fully loaded\n", path.c_str(), failed, parsed_ok, loaded);
   }
-  EXPECT_GT(failed, 1000);
-  EXPECT_GT(parsed_ok, 100);
-  std::printf("fuzz: %d rejected, %d parsed, %d fully loaded\n", failed, parsed_ok, loaded);
 }
 
 }  // namespace
