@@ -238,6 +238,18 @@ TEST(QuantLinear, CloseToF32OnDequantizedWeights) {
   }
 }
 
+// Rows that are not whole blocks of their type (a K-quant row of 896 values) are refused, not misread.
+TEST(QuantLinear, RefusesRowsOfPartialBlocks) {
+  GemmRuntime rt(1);
+  std::vector<uint8_t> bytes(GgmlRowBytes(GgmlType::kQ4_K, 1024) * 2);
+  auto w = std::make_shared<const QuantWeights>(std::vector<QuantWeights::Part>{{GgmlType::kQ4_K, 2, bytes.data()}},
+                                                896, nullptr);
+  EXPECT_FALSE(Linear::CreateQuantized(rt, w).ok());
+  auto ok = std::make_shared<const QuantWeights>(std::vector<QuantWeights::Part>{{GgmlType::kQ4_K, 2, bytes.data()}},
+                                                 1024, nullptr);
+  EXPECT_TRUE(Linear::CreateQuantized(rt, ok).ok());
+}
+
 TEST(Quant, TypeNamesAndFallbacks) {
   for (GgmlType t : kQuantTypes) EXPECT_EQ(GgmlTypeFromName(GgmlTypeName(t)), t);
   EXPECT_EQ(GgmlTypeFromName("Q4_K"), GgmlType::kQ4_K);

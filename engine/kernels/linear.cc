@@ -200,7 +200,9 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
 // oneDNN for buckets >= min_bucket. With same_kernel, FailedPrecondition when the buckets' kernels
 // differ (or are not brgemm, whose row order is M-independent); Internal when oneDNN has no kernel.
 StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::shared_ptr<const QuantWeights> w) {
-  if (!w || w->n() <= 0 || w->k() <= 0 || w->k() % 32 != 0) return InvalidArgument("linear: bad quantized weights");
+  if (!w || w->n() <= 0 || w->k() <= 0 || w->k() % 32 != 0 || !w->whole_blocks()) {
+    return InvalidArgument("linear: quantized weights must be rows of whole blocks of a quantized type");
+  }
   auto lin = std::unique_ptr<Linear>(new Linear());
   lin->rt_ = &rt;
   lin->n_ = w->n();

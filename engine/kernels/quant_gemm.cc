@@ -362,7 +362,10 @@ void QuantizedRows::Quantize(const float* x, int r0, int r1) {
 
 QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* bias) : k_(k) {
   size_t total = 0;
-  for (const Part& p : parts) total += GgmlRowBytes(p.type, k) * p.rows;
+  for (const Part& p : parts) {
+    total += GgmlRowBytes(p.type, k) * p.rows;
+    whole_blocks_ = whole_blocks_ && GgmlIsQuantized(p.type) && k % GgmlBlockSize(p.type) == 0;
+  }
   data_.resize(total);
   size_t off = 0;
   for (const Part& p : parts) {

@@ -49,6 +49,8 @@ class QuantWeights {
   QuantWeights(const std::vector<Part>& parts, int k, const float* bias);
   int n() const { return n_; }
   int k() const { return k_; }
+  // Whether k is a whole number of blocks of every part's type (Linear::CreateQuantized refuses otherwise).
+  bool whole_blocks() const { return whole_blocks_; }
   size_t bytes() const { return data_.size() + bias_.size() * sizeof(float); }
   // The types of the parts, e.g. "q4_k+q6_k".
   std::string types() const;
@@ -65,6 +67,7 @@ class QuantWeights {
     size_t stride;  // bytes from one of its blocks to the next
   };
   int n_ = 0, k_ = 0;
+  bool whole_blocks_ = true;
   std::vector<uint8_t> data_;
   std::vector<Row> rows_;
   std::vector<float> bias_;
