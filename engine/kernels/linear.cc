@@ -197,8 +197,6 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   return lin;
 }
 
-// oneDNN for buckets >= min_bucket. With same_kernel, FailedPrecondition when the buckets' kernels
-// differ (or are not brgemm, whose row order is M-independent); Internal when oneDNN has no kernel.
 StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::shared_ptr<const QuantWeights> w) {
   if (!w || w->n() <= 0 || w->k() <= 0 || w->k() % 32 != 0 || !w->whole_blocks()) {
     return InvalidArgument("linear: quantized weights must be rows of whole blocks of a quantized type");
@@ -214,6 +212,8 @@ StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::
   return lin;
 }
 
+// oneDNN for buckets >= min_bucket. With same_kernel, FailedPrecondition when the buckets' kernels
+// differ (or are not brgemm, whose row order is M-independent); Internal when oneDNN has no kernel.
 Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, bool same_kernel) {
   GemmRuntime& rt = *rt_;
   const int n = n_, k = k_;
@@ -291,14 +291,13 @@ void Linear::Forward(const void* x, int m, float* y) const {
     QuantizedRows& a = rt_->quantized_rows();
     a.Resize(m, k_);
     const auto* xf = static_cast<const float*>(x);
+    const int groups = (n_ + kInterleave - 1) / kInterleave;  // slices of whole interleaved groups
 #pragma omp parallel num_threads(nthr)
     {
 #pragma omp for schedule(static)
       for (int t = 0; t < nthr; ++t) a.Quantize(xf, m * t / nthr, m * (t + 1) / nthr);
 #pragma omp for schedule(static)
       for (int t = 0; t < nthr; ++t) {
-        // Slices of whole interleaved groups.
-        const int groups = (n_ + kInterleave - 1) / kInterleave;
         const int g0 = static_cast<int>(static_cast<int64_t>(groups) * t / nthr);
         const int g1 = static_cast<int>(static_cast<int64_t>(groups) * (t + 1) / nthr);
         quant_->Compute(a, std::min(n_, g0 * kInterleave), std::min(n_, g1 * kInterleave), y, n_);

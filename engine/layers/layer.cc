@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "engine/bf16.h"
 
@@ -14,14 +15,33 @@ std::string ShapeStr(const std::vector<uint64_t>& ne) {
   return s + "}";
 }
 
-}  // namespace
-
-StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& name, std::vector<uint64_t> ne) {
+// The tensor `name` after checking that its shape (ggml order) is exactly `ne`.
+StatusOr<const GgufTensor*> FindShaped(const GgufFile& f, const std::string& name, const std::vector<uint64_t>& ne) {
   const GgufTensor* t = f.FindTensor(name);
   if (!t) return DataLoss("model: missing tensor '" + name + "'");
   if (t->ne != ne) {
     return DataLoss("model: tensor '" + name + "' has shape " + ShapeStr(t->ne) + ", expected " + ShapeStr(ne));
   }
+  return t;
+}
+
+// Every value of a quantized 2-D tensor of rows of k values is finite (checked row by row, in place).
+Status CheckQuantizedFinite(const GgufTensor& t, uint64_t k) {
+  std::vector<float> row(k);
+  const uint64_t rb = GgmlRowBytes(t.type, k);
+  for (uint64_t r = 0; r < t.n_elements() / k; ++r) {
+    DequantizeRow(t.type, t.data + r * rb, static_cast<int64_t>(k), row.data());
+    for (float v : row) {
+      if (!std::isfinite(v)) return DataLoss("model: tensor '" + t.name + "' holds a non-finite value");
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& name, std::vector<uint64_t> ne) {
+  QKV_ASSIGN_OR_RETURN(const GgufTensor* t, FindShaped(f, name, ne));
   std::vector<float> out(t->n_elements());
   QKV_RETURN_IF_ERROR(DequantizeToF32(*t, out.data()));
   for (float v : out) {
@@ -32,21 +52,10 @@ StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& na
 
 StatusOr<std::shared_ptr<const QuantWeights>> ReadQuantized(const GgufFile& f, const std::string& name, uint64_t rows,
                                                             uint64_t k) {
-  const GgufTensor* t = f.FindTensor(name);
-  if (!t) return DataLoss("model: missing tensor '" + name + "'");
-  if (t->ne != std::vector<uint64_t>{k, rows}) {
-    return DataLoss("model: tensor '" + name + "' has shape " + ShapeStr(t->ne) + ", expected " + ShapeStr({k, rows}));
-  }
+  QKV_ASSIGN_OR_RETURN(const GgufTensor* t, FindShaped(f, name, {k, rows}));
   if (!GgmlIsQuantized(t->type)) return std::shared_ptr<const QuantWeights>();
   if (k % 32 != 0) return DataLoss("model: quantized tensor '" + name + "' has rows that are not whole 32-blocks");
-  std::vector<float> row(k);
-  const uint64_t rb = GgmlRowBytes(t->type, k);
-  for (uint64_t r = 0; r < rows; ++r) {
-    DequantizeRow(t->type, t->data + r * rb, static_cast<int64_t>(k), row.data());
-    for (float v : row) {
-      if (!std::isfinite(v)) return DataLoss("model: tensor '" + name + "' holds a non-finite value");
-    }
-  }
+  QKV_RETURN_IF_ERROR(CheckQuantizedFinite(*t, k));
   return std::make_shared<const QuantWeights>(
       std::vector<QuantWeights::Part>{{t->type, static_cast<int>(rows), t->data}}, static_cast<int>(k), nullptr);
 }
@@ -55,27 +64,21 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
                                              const std::vector<WeightRows>& rows, int k, const float* bias) {
   const auto K = static_cast<uint64_t>(k);
   int n = 0;
-  bool quant = keep_quantized;
+  bool quant = keep_quantized && k % 32 == 0;
+  std::vector<const GgufTensor*> tensors;
   for (const WeightRows& r : rows) {
-    const GgufTensor* t = f.FindTensor(r.tensor);
-    if (!t) return DataLoss("model: missing tensor '" + r.tensor + "'");
-    if (t->ne != std::vector<uint64_t>{K, r.rows}) {
-      return DataLoss("model: tensor '" + r.tensor + "' has shape " + ShapeStr(t->ne) + ", expected " +
-                      ShapeStr({K, r.rows}));
-    }
-    quant = quant && GgmlIsQuantized(t->type) && k % 32 == 0;
+    QKV_ASSIGN_OR_RETURN(const GgufTensor* t, FindShaped(f, r.tensor, {K, r.rows}));
+    quant = quant && GgmlIsQuantized(t->type);
+    tensors.push_back(t);
     n += r.n;
   }
   if (quant) {
-    std::map<std::string, bool> checked;
+    std::set<const GgufTensor*> checked;
     std::vector<QuantWeights::Part> parts;
-    for (const WeightRows& r : rows) {
-      if (!checked[r.tensor]) {
-        QKV_RETURN_IF_ERROR(ReadQuantized(f, r.tensor, r.rows, K).status());  // finite values
-        checked[r.tensor] = true;
-      }
-      const GgufTensor* t = f.FindTensor(r.tensor);
-      parts.push_back({t->type, r.n, t->data + static_cast<uint64_t>(r.r0) * GgmlRowBytes(t->type, K)});
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const GgufTensor* t = tensors[i];
+      if (checked.insert(t).second) QKV_RETURN_IF_ERROR(CheckQuantizedFinite(*t, K));
+      parts.push_back({t->type, rows[i].n, t->data + static_cast<uint64_t>(rows[i].r0) * GgmlRowBytes(t->type, K)});
     }
     return Linear::CreateQuantized(gemm, std::make_shared<const QuantWeights>(parts, k, bias));
   }
