@@ -215,11 +215,13 @@ int PlanCmd(const Common& c, const std::string& plan_config, const std::string& 
   }
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto mem = qkv::ParseByteSize(plan_memory);
-  if (!mem.ok() || (plan_dtype != "bf16" && plan_dtype != "f16" && plan_dtype != "f32")) {
-    std::fprintf(stderr, "qkvctl: --memory or --dtype is invalid\n");
+  auto el = qkv::ParseKvElement(plan_dtype);
+  if (!mem.ok() || !el.ok()) {
+    std::fprintf(stderr, "qkvctl: %s\n",
+                 (!mem.ok() ? "--memory: " + mem.status().message() : el.status().message()).c_str());
     return 2;
   }
-  auto p = qkv::PlanCapacity(text, *mem, plan_context, plan_dtype == "f32" ? 4 : 2);
+  auto p = qkv::PlanCapacity(text, *mem, plan_context, *el);
   if (!p.ok()) {
     std::fprintf(stderr, "qkvctl: %s\n", p.status().message().c_str());
     return 2;
@@ -561,7 +563,8 @@ int main(int argc, char** argv) {
   plan->add_option("--config", plan_config, "Hugging Face config.json")->required();
   plan->add_option("--memory", plan_memory, "memory for the KV cache")->capture_default_str();
   plan->add_option("--context", plan_context, "tokens per session")->capture_default_str();
-  plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16 or f32")->capture_default_str();
+  plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16, f32 or int8 (with its per-vector scales)")
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
   if (plan->parsed()) return PlanCmd(c, plan_config, plan_memory, plan_dtype, plan_context);

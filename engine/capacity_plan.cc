@@ -1,5 +1,6 @@
 #include "engine/capacity_plan.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
@@ -21,8 +22,16 @@ StatusOr<int64_t> ParseByteSize(const std::string& s) {
   return static_cast<int64_t>(v);
 }
 
+StatusOr<KvElement> ParseKvElement(const std::string& d) {
+  if (d == "bf16" || d == "f16") return KvElement{2, 0};
+  if (d == "f32") return KvElement{4, 0};
+  if (d == "int8") return KvElement{1, 2};
+  return InvalidArgument("--dtype must be bf16, f16, f32 or int8, got '" + d + "'");
+}
+
 StatusOr<CapacityPlan> PlanCapacity(const std::string& config_json, int64_t memory_bytes, int64_t context,
-                                    int bytes_per_element) {
+                                    KvElement element) {
+  const int bytes_per_element = element.bytes, scale_bytes = element.scale_bytes;
   const auto j = nlohmann::json::parse(config_json, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return InvalidArgument("config: not a JSON object");
   auto geti = [&](const char* k, int64_t dflt) -> int64_t {
@@ -62,18 +71,19 @@ StatusOr<CapacityPlan> PlanCapacity(const std::string& config_json, int64_t memo
     return InvalidArgument("config: sliding layers need sliding_window");
   if (j.contains("kv_lora_rank") && j["kv_lora_rank"].is_number_integer()) {
     p.mla = true;
-    const int64_t per_layer = geti("kv_lora_rank", 0) + geti("qk_rope_head_dim", 0);
-    p.kv_bytes_per_token = p.full_layers * per_layer * bytes_per_element;
+    const int64_t per_layer =
+        (geti("kv_lora_rank", 0) + geti("qk_rope_head_dim", 0)) * bytes_per_element + 2 * scale_bytes;
+    p.kv_bytes_per_token = p.full_layers * per_layer;
   } else {
     if (head_dim <= 0) return InvalidArgument("config: head_dim (or hidden_size / num_attention_heads) is required");
-    const int64_t per_layer = 2 * kv_heads * head_dim * bytes_per_element;
+    const int64_t per_layer = 2 * kv_heads * (head_dim * bytes_per_element + scale_bytes);
     p.kv_bytes_per_token = p.full_layers * per_layer;
     p.sliding_bytes_per_token = p.sliding_layers * per_layer;
   }
   if (p.linear_layers > 0) {  // Qwen3-Next-style gated delta-net state, when described
     const int64_t vh = geti("linear_num_value_heads", 0), dk = geti("linear_key_head_dim", 0),
                   dv = geti("linear_value_head_dim", 0);
-    p.linear_state_bytes = p.linear_layers * vh * dk * dv * bytes_per_element;
+    p.linear_state_bytes = p.linear_layers * vh * dk * dv * std::max(bytes_per_element, 2);
   }
   p.bytes_per_session = p.kv_bytes_per_token * context +
                         p.sliding_bytes_per_token * std::min(context, p.sliding_window) + p.linear_state_bytes;

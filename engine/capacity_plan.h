@@ -29,8 +29,18 @@ struct CapacityPlan {
   std::string ToText() const;
 };
 
+// The size of a cached element: bytes per K/V (or MLA) value, and bytes of scale per cached vector (one
+// token's K, or V, of one kv head; an MLA latent; an MLA rope key): 2 for qkvserve's int8 cache (a bf16
+// scale), else 0. A linear layer's state is counted at max(bytes, 2) bytes per value (it is not quantized).
+struct KvElement {
+  int bytes = 2;
+  int scale_bytes = 0;
+};
+// bf16, f16, f32 or int8 (qkvserve's --kv-dtype int8).
+StatusOr<KvElement> ParseKvElement(const std::string& dtype);
+
 StatusOr<CapacityPlan> PlanCapacity(const std::string& config_json, int64_t memory_bytes, int64_t context,
-                                    int bytes_per_element);
+                                    KvElement element);
 
 // "16GiB", "512MiB", "1e9": bytes.
 StatusOr<int64_t> ParseByteSize(const std::string& s);

@@ -2,12 +2,18 @@
 
 namespace qkv {
 
-const char* DTypeName(DType d) { return d == DType::kF32 ? "f32" : "bf16"; }
+const char* DTypeName(DType d) { return d == DType::kF32 ? "f32" : d == DType::kBF16 ? "bf16" : "int8"; }
 
 StatusOr<DType> ParseDType(const std::string& s) {
   if (s == "f32") return DType::kF32;
   if (s == "bf16") return DType::kBF16;
   return InvalidArgument("dtype must be bf16 or f32, got '" + s + "'");
+}
+
+StatusOr<DType> ParseKvDType(const std::string& s) {
+  if (s == "int8") return DType::kI8;
+  if (s == "f32" || s == "bf16") return ParseDType(s);
+  return InvalidArgument("kv dtype must be bf16, f32 or int8, got '" + s + "'");
 }
 
 StatusOr<WeightsMode> ParseWeightsMode(const std::string& s) {

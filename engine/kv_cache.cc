@@ -12,7 +12,7 @@ StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& s) {
   }
   auto kv = std::unique_ptr<KvCache>(new KvCache());
   kv->shape_ = s;
-  kv->head_stride_ = static_cast<size_t>(s.block_size) * s.head_dim * DTypeBytes(s.dtype);
+  kv->head_stride_ = static_cast<size_t>(s.block_size) * static_cast<size_t>(KvVectorBytes(s.dtype, s.head_dim));
   const size_t half = static_cast<size_t>(s.n_layers) * s.n_blocks * s.n_kv_heads * kv->head_stride_;
   kv->bytes_ = static_cast<int64_t>(2 * half);
   void* p = mmap(nullptr, 2 * half, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -5,9 +5,12 @@
 //
 // The KV arena: K and V of every layer, cut into blocks of block_size token slots.
 //
-// Layout of each of K and V: [layer][block][kv_head][slot][head_dim], so one kv head's keys inside a
-// block are contiguous. A sequence addresses its tokens through a SeqKv (its block ids in position
-// order): position p lives in block blocks[p / block_size], slot p % block_size.
+// Layout of each of K and V: [layer][block][kv_head][one head's region], so one kv head's keys inside a
+// block are contiguous. The attention kernel (kernels/attention.h) decides the order inside a region
+// (keys transposed, values row-major). An int8 region holds the block_size × head_dim int8 values, then
+// block_size bf16 scales: one per token (per layer, kv head, and K or V), symmetric, value = q × scale. A sequence
+// addresses its tokens through a SeqKv (its block ids in position order): position p lives in block blocks[p /
+// block_size], slot p % block_size.
 //
 // This is the paged token store of the layer kinds that cache per token (layers/layer.h): each such layer
 // was handed one arena layer at load. The arena is allocated and touched once at start-up. This class only
@@ -24,6 +27,10 @@
 
 namespace qkv {
 
+// Bytes one cached vector of n elements takes (one token's K, or V, of one kv head): the elements, plus a
+// bf16 scale for int8.
+inline int64_t KvVectorBytes(DType dt, int n) { return int64_t{n} * DTypeBytes(dt) + (dt == DType::kI8 ? 2 : 0); }
+
 struct KvCacheShape {
   int n_layers = 0;
   int n_kv_heads = 0;
@@ -31,7 +38,7 @@ struct KvCacheShape {
   int block_size = 16;
   int64_t n_blocks = 0;
   DType dtype = DType::kBF16;
-  int64_t bytes_per_token() const { return int64_t{n_layers} * 2 * n_kv_heads * head_dim * DTypeBytes(dtype); }
+  int64_t bytes_per_token() const { return int64_t{n_layers} * 2 * n_kv_heads * KvVectorBytes(dtype, head_dim); }
   int64_t bytes_per_block() const { return bytes_per_token() * block_size; }
 };
 
@@ -50,7 +57,8 @@ class KvCache {
   const KvCacheShape& shape() const { return shape_; }
   int64_t arena_bytes() const { return bytes_; }
 
-  // Start of the keys (values) of one kv head in one block: block_size rows of head_dim elements.
+  // Start of the keys (values) of one kv head in one block: block_size vectors of head_dim elements (for
+  // int8, followed by their block_size scales).
   uint8_t* K(int layer, int block, int head) { return k_ + Offset(layer, block, head); }
   uint8_t* V(int layer, int block, int head) { return v_ + Offset(layer, block, head); }
   const uint8_t* K(int layer, int block, int head) const { return k_ + Offset(layer, block, head); }

@@ -206,7 +206,9 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--weights-dtype", f.weights_dtype,
                  "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
       ->capture_default_str();
-  app.add_option("--kv-dtype", f.kv_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-dtype", f.kv_dtype,
+                 "KV cache element type: bf16, f32 or int8 (int8: a bf16 scale per token and kv head)")
+      ->capture_default_str();
   app.add_option("--kv-cache-bytes", f.kv_bytes,
                  "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 "
                  "GiB and 1024 full contexts)");
@@ -276,7 +278,7 @@ qkv::StatusOr<qkv::ModelOptions> ModelOptionsFrom(const Flags& f) {
   qkv::ModelOptions mo;
   auto wd = qkv::ParseWeightsMode(f.weights_dtype);
   if (!wd.ok()) return qkv::InvalidArgument("--weights-dtype: " + wd.status().message());
-  auto kd = qkv::ParseDType(f.kv_dtype);
+  auto kd = qkv::ParseKvDType(f.kv_dtype);
   if (!kd.ok()) return qkv::InvalidArgument("--kv-dtype: " + kd.status().message());
   mo.tokenizer_path = f.tokenizer_file;
   mo.weights_dtype = wd->dtype;
@@ -406,11 +408,12 @@ int main(int argc, char** argv) {
   if (!tmpl.ok()) return Fail(tmpl.status().message());
   const auto& kvs = m.cache_layout().tokens;
   spdlog::info(
-      "model {}: {}; weights {:.1f} MB; KV {} per token, capacity {} blocks = {} tokens = {:.1f} MiB = {} sessions of "
-      "4k tokens",
+      "model {}: {}; weights {:.1f} MB; KV {} per token ({}), capacity {} blocks = {} tokens = {:.1f} MiB = {} "
+      "sessions "
+      "of 4k tokens",
       std::filesystem::path(f.model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
-      kvs.bytes_per_token(), kvs.n_blocks, kvs.n_blocks * kvs.block_size, m.cache_layout().token_bytes() / 1048576.0,
-      kvs.n_blocks * kvs.block_size / 4096);
+      kvs.bytes_per_token(), qkv::DTypeName(kvs.dtype), kvs.n_blocks, kvs.n_blocks * kvs.block_size,
+      m.cache_layout().token_bytes() / 1048576.0, kvs.n_blocks * kvs.block_size / 4096);
 
   qkv::EngineOptions eo;
   eo.max_num_batched_tokens = f.max_batched;

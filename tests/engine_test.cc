@@ -36,7 +36,9 @@ Result Drain(const std::shared_ptr<RequestStream>& s) {
   }
 }
 
-class EngineTest : public ::testing::Test {
+// Every engine test runs on a bf16 and on an int8 KV cache: sessions, prefix caching, fork with
+// copy-on-write, truncation, eviction and preemption must behave the same on both.
+class EngineTest : public ::testing::TestWithParam<DType> {
  protected:
   void Start(int64_t kv_blocks = 256, int max_batched = 64, int block_size = 16, bool prefix = true) {
     cfg_ = testing::SmallConfig(Arch::kQwen3);
@@ -46,6 +48,7 @@ class EngineTest : public ::testing::Test {
     mo.max_batch_tokens = 64;
     mo.kv_blocks = kv_blocks;
     mo.block_size = block_size;
+    mo.kv_dtype = GetParam();
     auto m = Model::Load(path, mo);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     model_ = std::move(*m);
@@ -89,7 +92,7 @@ class EngineTest : public ::testing::Test {
 
 // A request's greedy tokens and logprobs are bit-identical alone and with 1-15 other requests of
 // different lengths, with chunked prefill (64-token budget) and with prefix-cache hits.
-TEST_F(EngineTest, BatchInvariance) {
+TEST_P(EngineTest, BatchInvariance) {
   Start();
   const std::vector<int> target = Prompt(70, 1);
   const Result alone = Run(Greedy(target, 24));
@@ -119,7 +122,7 @@ TEST_F(EngineTest, BatchInvariance) {
 
 // A session's TTL must leave now + ttl representable: infinite, NaN, negative and absurd values are refused
 // (found by the API fuzzer under UBSan: ttl_seconds = inf overflowed the deadline's conversion).
-TEST_F(EngineTest, SessionTtlIsBounded) {
+TEST_P(EngineTest, SessionTtlIsBounded) {
   Start();
   for (double ttl : {std::numeric_limits<double>::infinity(), std::nan(""), -1.0, 1e30, 3.2e8}) {
     auto r = engine_->CreateSession("", "t", ttl, 0, {});
@@ -133,7 +136,7 @@ TEST_F(EngineTest, SessionTtlIsBounded) {
 
 // A three-turn session produces the same tokens as sending the full history fresh each turn, reuses its
 // KV (cached_tokens), and accounts prompt tokens as the whole context.
-TEST_F(EngineTest, SessionEquivalenceAndAccounting) {
+TEST_P(EngineTest, SessionEquivalenceAndAccounting) {
   Start(256, 64, 16, /*prefix=*/false);  // prefix caching off: reuse must come from the session itself
   ASSERT_TRUE(engine_->CreateSession("", "chat", 0, 0, {}).ok());
   std::vector<int> history;
@@ -161,7 +164,7 @@ TEST_F(EngineTest, SessionEquivalenceAndAccounting) {
   EXPECT_EQ(engine_->Stats().blocks_used, 0);
 }
 
-TEST_F(EngineTest, CancelledTurnLeavesTheSessionAsItWas) {
+TEST_P(EngineTest, CancelledTurnLeavesTheSessionAsItWas) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("", "s", 0, 0, {}).ok());
   Run(Greedy(Prompt(30, 1), 5, "s"));
@@ -190,7 +193,7 @@ TEST_F(EngineTest, CancelledTurnLeavesTheSessionAsItWas) {
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
-TEST_F(EngineTest, ForkSharesBlocksCopyOnWrite) {
+TEST_P(EngineTest, ForkSharesBlocksCopyOnWrite) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("", "p", 0, 0, {}).ok());
   Run(Greedy(Prompt(37, 1), 4, "p"));  // 41 tokens: the last block is partial and will be shared
@@ -215,7 +218,26 @@ TEST_F(EngineTest, ForkSharesBlocksCopyOnWrite) {
   EXPECT_EQ(engine_->Stats().blocks_used, 0);
 }
 
-TEST_F(EngineTest, NamespacesIsolateSessionsAndPrefixes) {
+// Truncating a session and continuing gives what a fresh request over the kept history gives.
+TEST_P(EngineTest, TruncatedSessionContinuesAsFresh) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("", "t", 0, 0, {}).ok());
+  Run(Greedy(Prompt(45, 1), 6, "t"));
+  Run(Greedy(Prompt(12, 2), 6, "t"));
+  auto before = engine_->GetSession("", "t", true);
+  ASSERT_TRUE(before.ok());
+  for (int keep : {50, 33, 16}) {  // inside a block, and at a block boundary
+    ASSERT_TRUE(engine_->TruncateSession("", "t", keep).ok());
+    std::vector<int> full(before->tokens.begin(), before->tokens.begin() + keep);
+    const std::vector<int> p = Prompt(7, keep);
+    full.insert(full.end(), p.begin(), p.end());
+    EXPECT_EQ(Run(Greedy(p, 6, "t")).tokens, Run(Greedy(full, 6)).tokens) << "keep " << keep;
+    ASSERT_TRUE(engine_->TruncateSession("", "t", keep).ok());  // back to the kept history
+  }
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
+TEST_P(EngineTest, NamespacesIsolateSessionsAndPrefixes) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("alice", "x", 0, 0, {}).ok());
   EXPECT_EQ(engine_->GetSession("bob", "x", false).status().code(), StatusCode::kNotFound);
@@ -230,7 +252,7 @@ TEST_F(EngineTest, NamespacesIsolateSessionsAndPrefixes) {
   EXPECT_EQ(engine_->ListSessions("alice").size(), 1u);
 }
 
-TEST_F(EngineTest, ErrorsNameTheField) {
+TEST_P(EngineTest, ErrorsNameTheField) {
   Start(32);
   EXPECT_EQ(engine_->Submit(Greedy({}, 4)).status().code(), StatusCode::kInvalidArgument);
   auto bad = engine_->Submit(Greedy({1, cfg_.vocab + 5}, 4));
@@ -253,7 +275,7 @@ TEST_F(EngineTest, ErrorsNameTheField) {
   EXPECT_NE(engine_->Submit(lp).status().message().find("logprobs"), std::string::npos);
 }
 
-TEST_F(EngineTest, RefusesWhatCannotFitInAnEmptyCache) {
+TEST_P(EngineTest, RefusesWhatCannotFitInAnEmptyCache) {
   Start(4);  // 4 blocks x 16 = 64 tokens
   auto r = engine_->Submit(Greedy(Prompt(60, 1), 10));
   EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
@@ -262,7 +284,7 @@ TEST_F(EngineTest, RefusesWhatCannotFitInAnEmptyCache) {
 
 // Memory pressure: idle sessions lose their KV first, then running requests are preempted by
 // recompute; outputs stay exactly those of solo runs.
-TEST_F(EngineTest, PressureEvictsSessionsThenPreemptsWithoutChangingOutputs) {
+TEST_P(EngineTest, PressureEvictsSessionsThenPreemptsWithoutChangingOutputs) {
   Start(12, 64);  // 192 token slots
   std::map<int, std::vector<int>> solo;
   for (int k = 0; k < 6; ++k) solo[k] = Run(Greedy(Prompt(40, k), 20)).tokens;
@@ -282,7 +304,7 @@ TEST_F(EngineTest, PressureEvictsSessionsThenPreemptsWithoutChangingOutputs) {
 
 // Thousands of random operations against a small cache: after each, block accounting matches every
 // owner; finished greedy requests produce the tokens of their solo run; at the end nothing leaks.
-TEST_F(EngineTest, RandomizedStress) {
+TEST_P(EngineTest, RandomizedStress) {
   Start(20, 48, 8);
   std::mt19937 rng(42);
   std::map<std::pair<int, int>, std::vector<int>> expected;  // (salt, len) -> solo tokens
@@ -358,7 +380,7 @@ namespace {
 
 // While a turn runs, the session reports its history and the blocks it holds (it used to list as 0 tokens,
 // 0 bytes because its context moves into the running request).
-TEST_F(EngineTest, BusySessionReportsItsHistoryAndBlocks) {
+TEST_P(EngineTest, BusySessionReportsItsHistoryAndBlocks) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("", "busy", 0, 0, {}).ok());
   Run(Greedy(Prompt(90, 1), 10, "busy"));
@@ -391,7 +413,7 @@ TEST_F(EngineTest, BusySessionReportsItsHistoryAndBlocks) {
   EXPECT_EQ(after->tokens, idle->tokens);  // a cancelled turn leaves the history as it was
 }
 
-TEST_F(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
+TEST_P(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("", "short", 0.2, 0, {}).ok());
   ASSERT_TRUE(engine_->CreateSession("", "long", 3600, 0, {}).ok());
@@ -403,6 +425,9 @@ TEST_F(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
   EXPECT_EQ(engine_->Stats().session_evictions_ttl, 1u);
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
+
+INSTANTIATE_TEST_SUITE_P(Kv, EngineTest, ::testing::Values(DType::kBF16, DType::kI8),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 }  // namespace
 }  // namespace qkv

@@ -72,13 +72,19 @@ std::vector<int> Prompt(int n, int vocab, int salt = 0) {
 }
 
 class ModelArchTest : public ::testing::TestWithParam<Arch> {};
+void CacheMatchesRecompute(Arch arch, DType kv);
 
 // Decoding with the KV cache gives the same 64 greedy tokens as recomputing the whole prefix each step,
-// and logits within 1e-5 (f32 weights and KV).
+// and logits within 1e-5 (f32 weights; f32 KV, and int8 KV, which quantizes the same K/V the same way).
 TEST_P(ModelArchTest, CacheMatchesRecompute) {
-  ModelConfig cfg = testing::SmallConfig(GetParam());
-  const auto path = testing::WriteModel(cfg, std::string("cache_") + ArchName(GetParam()));
-  auto m = Load(path, DType::kF32, DType::kF32, 256, 64);
+  for (DType kv : {DType::kF32, DType::kI8}) CacheMatchesRecompute(GetParam(), kv);
+}
+
+void CacheMatchesRecompute(Arch arch, DType kv) {
+  SCOPED_TRACE(DTypeName(kv));
+  ModelConfig cfg = testing::SmallConfig(arch);
+  const auto path = testing::WriteModel(cfg, std::string("cache_") + ArchName(arch));
+  auto m = Load(path, DType::kF32, kv, 256, 64);
   ASSERT_TRUE(m);
   const int V = cfg.vocab;
   std::vector<int> prompt = Prompt(20, V);
@@ -162,6 +168,11 @@ TEST_P(ModelArchTest, ChunkingAndBatchCompositionDoNotChangeBits) {
     auto m = Load(path, dt, dt, 256, 64);
     ASSERT_TRUE(m);
     CheckChunkingAndBatches(*m, DTypeName(dt));
+  }
+  for (DType dt : {DType::kF32, DType::kBF16}) {  // an int8 KV cache under either weights dtype
+    auto m = Load(path, dt, DType::kI8, 256, 64);
+    ASSERT_TRUE(m);
+    CheckChunkingAndBatches(*m, std::string(DTypeName(dt)) + " weights, int8 KV");
   }
 }
 

@@ -5,8 +5,8 @@
 namespace qkv {
 namespace {
 
-int64_t PerToken(const std::string& json, int bytes = 2) {
-  auto p = PlanCapacity(json, 16ll << 30, 4096, bytes);
+int64_t PerToken(const std::string& json, const std::string& dtype = "bf16") {
+  auto p = PlanCapacity(json, 16ll << 30, 4096, ParseKvElement(dtype).value());
   EXPECT_TRUE(p.ok()) << p.status().ToString();
   return p.ok() ? p->kv_bytes_per_token : -1;
 }
@@ -19,6 +19,19 @@ TEST(Plan, DeepSeekLlm67b) {
       389120);
   EXPECT_EQ(PerToken(R"({"num_hidden_layers": 95, "num_attention_heads": 64, "hidden_size": 8192})"),
             3112960);  // as MHA
+}
+
+// qkvserve's int8 cache: one byte per value and a 2-byte scale per cached vector (K or V of one kv head per
+// token; for MLA the latent and the rope key), as the engine's arena counts them (kv_cache.h).
+TEST(Plan, Int8CountsItsScales) {
+  const std::string gqa =
+      R"({"num_hidden_layers": 95, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192, "head_dim": 128})";
+  EXPECT_EQ(PerToken(gqa, "int8"), 95 * 2 * 8 * (128 + 2));
+  EXPECT_EQ(PerToken(gqa, "f32"), 2 * PerToken(gqa));
+  EXPECT_EQ(
+      PerToken(R"({"num_hidden_layers": 60, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})",
+               "int8"),
+      60 * (576 + 4));
 }
 
 TEST(Plan, Mla) {
@@ -50,7 +63,7 @@ TEST(Plan, HybridOnlyAttentionLayersHoldKv) {
 TEST(Plan, SlidingLayersAreCappedAtTheWindow) {
   auto p = PlanCapacity(R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
     "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]})",
-                        1 << 30, 4096, 2);
+                        1 << 30, 4096, KvElement{2, 0});
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->kv_bytes_per_token, 2 * 2 * 2 * 64 * 2);
   EXPECT_EQ(p->bytes_per_session, 1024 * 4096 + 1024 * 128);
@@ -59,8 +72,9 @@ TEST(Plan, SlidingLayersAreCappedAtTheWindow) {
 }
 
 TEST(Plan, ErrorsAndSizes) {
-  EXPECT_FALSE(PlanCapacity("{}", 1, 1, 2).ok());
-  EXPECT_FALSE(PlanCapacity("not json", 1, 1, 2).ok());
+  EXPECT_FALSE(PlanCapacity("{}", 1, 1, KvElement{}).ok());
+  EXPECT_FALSE(PlanCapacity("not json", 1, 1, KvElement{}).ok());
+  EXPECT_FALSE(ParseKvElement("int4").ok());
   EXPECT_EQ(*ParseByteSize("16GiB"), 16ll << 30);
   EXPECT_EQ(*ParseByteSize("512MiB"), 512ll << 20);
   EXPECT_EQ(*ParseByteSize("1000"), 1000);

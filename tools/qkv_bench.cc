@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100));
   app.add_option("--weights-dtype", weights_dtype, "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
       ->capture_default_str();
-  app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-dtype", kv_dtype, "bf16, f32 or int8")->capture_default_str();
   app.add_flag("--profile", profile, "print where the time goes");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
@@ -82,9 +82,9 @@ int main(int argc, char** argv) {
 
   qkv::ModelOptions mo;
   auto wd = qkv::ParseWeightsMode(weights_dtype);
-  auto kd = qkv::ParseDType(kv_dtype);
+  auto kd = qkv::ParseKvDType(kv_dtype);
   if (!wd.ok() || !kd.ok()) {
-    std::fprintf(stderr, "qkv-bench: --weights-dtype must be auto, bf16 or f32 and --kv-dtype bf16 or f32\n");
+    std::fprintf(stderr, "qkv-bench: --weights-dtype must be auto, bf16 or f32 and --kv-dtype bf16, f32 or int8\n");
     return 1;
   }
   mo.weights_dtype = wd->dtype;
@@ -106,6 +106,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   qkv::KvBlockPool pool(m.cache_layout().tokens.n_blocks, m.options().block_size);
+  if (prompt + gen > m.max_context()) {
+    std::fprintf(stderr, "qkv-bench: --prompt %d + --gen %d exceeds the model's context of %d tokens\n", prompt, gen,
+                 m.max_context());
+    return 2;
+  }
   const double load_s = Since(tl);
   const int V = m.config().vocab;
   std::printf("model: %s\n", m.config().Summary().c_str());
@@ -124,7 +129,10 @@ int main(int argc, char** argv) {
   qkv::Model::Profile prefill_prof, decode_prof;
   for (int r = 0; r < reps; ++r) {
     qkv::SeqKv seq;
-    if (!qkv::ReserveBlocks(seq, prompt + gen, mo.block_size, pool).ok()) return 1;
+    if (auto s = qkv::ReserveBlocks(seq, prompt + gen, mo.block_size, pool); !s.ok()) {
+      std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
     m.set_profiling(profile);
     auto t0 = Clock::now();
     qkv::BatchChunk ch{&seq, tokens, false};
@@ -142,7 +150,10 @@ int main(int argc, char** argv) {
     t0 = Clock::now();
     for (int i = 0; i < gen; ++i) {
       qkv::BatchChunk d{&seq, std::span<const int>(&next, 1), false};
-      if (!m.Forward(std::span<const qkv::BatchChunk>(&d, 1), **cache).ok()) return 1;
+      if (auto s = m.Forward(std::span<const qkv::BatchChunk>(&d, 1), **cache); !s.ok()) {
+        std::fprintf(stderr, "qkv-bench: decode step %d: %s\n", i, s.ToString().c_str());
+        return 1;
+      }
       next = qkv::ArgMax(m.logits(), V);
     }
     const double dec = Since(t0);

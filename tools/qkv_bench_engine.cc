@@ -63,6 +63,8 @@ int main(int argc, char** argv) {
   app.add_option("--history", history, "session history before the measured turn")->capture_default_str();
   float temperature = 0;
   int idle_sessions = 0;
+  std::string kv_dtype = "bf16";
+  app.add_option("--kv-dtype", kv_dtype, "KV cache dtype: bf16, f32 or int8")->capture_default_str();
   app.add_option("--idle-sessions", idle_sessions,
                  "idle sessions (8 tokens each, TTL 1 h) created before the decode figure")
       ->capture_default_str();
@@ -72,6 +74,12 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::warn);
   omp_set_num_threads(threads);
   qkv::ModelOptions mo;
+  auto kd = qkv::ParseKvDType(kv_dtype);
+  if (!kd.ok()) {
+    std::fprintf(stderr, "qkv-bench-engine: --kv-dtype: %s\n", kd.status().message().c_str());
+    return 2;
+  }
+  mo.kv_dtype = *kd;
   mo.n_threads = threads;
   mo.max_batch_tokens = 512;
   mo.max_context = history + 512;

@@ -5,7 +5,7 @@
 //   qkv-model dequant MODEL.gguf --tensor NAME --out FILE
 //   qkv-model tokenize (--model MODEL.gguf | --tokenizer tokenizer.json) [--decode] [--parse-special] [--add-special]
 //     reads one JSON string per line and prints one JSON array of ids per line (--decode: the reverse)
-//   qkv-model plan --config CONFIG.json [--memory SIZE] [--context N] [--dtype bf16|f16|f32] [--json]
+//   qkv-model plan --config CONFIG.json [--memory SIZE] [--context N] [--dtype bf16|f16|f32|int8] [--json]
 //   qkv-model cpu
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -204,9 +204,9 @@ int PlanMain(const std::string& config, const std::string& memory, int64_t conte
   ss << in.rdbuf();
   auto mem = qkv::ParseByteSize(memory);
   if (!mem.ok()) return Fail(qkv::InvalidArgument("--memory: " + mem.status().message()));
-  if (dtype != "bf16" && dtype != "f32" && dtype != "f16")
-    return Fail(qkv::InvalidArgument("--dtype must be bf16, f16 or f32"));
-  auto plan = qkv::PlanCapacity(ss.str(), *mem, context, dtype == "f32" ? 4 : 2);
+  auto el = qkv::ParseKvElement(dtype);
+  if (!el.ok()) return Fail(el.status());
+  auto plan = qkv::PlanCapacity(ss.str(), *mem, context, *el);
   if (!plan.ok()) return Fail(plan.status());
   std::cout << (json ? plan->ToJson() + "\n" : plan->ToText());
   return 0;
@@ -252,7 +252,8 @@ int main(int argc, char** argv) {
   plan->add_option("--config", plan_config, "Hugging Face config.json")->required();
   plan->add_option("--memory", plan_memory, "memory for the KV cache")->capture_default_str();
   plan->add_option("--context", plan_context, "tokens per session")->capture_default_str();
-  plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16 or f32")->capture_default_str();
+  plan->add_option("--dtype", plan_dtype, "KV element type: bf16, f16, f32 or int8 (with its per-vector scales)")
+      ->capture_default_str();
   plan->add_flag("--json", plan_json, "print a JSON object");
   auto* dequant = app.add_subcommand("dequant", "write one tensor's values as raw little-endian f32");
   std::string dq_model, dq_tensor, dq_out;

@@ -1,6 +1,6 @@
 // qkv-run: generate from a prompt with one model, for checks and demos.
 //   qkv-run --model MODEL.gguf (--prompt TEXT | --tokens 1,2,3) [-n N] [--temperature T] [--seed S]
-//           [--threads T] [--weights-dtype auto|bf16|f32] [--kv-dtype bf16|f32] [--no-cache] [--logits OUT]
+//           [--threads T] [--weights-dtype auto|bf16|f32] [--kv-dtype bf16|f32|int8] [--no-cache] [--logits OUT]
 // --no-cache recomputes the whole prefix at every step; --logits writes the teacher-forced logits of
 // every prompt position as little-endian float32 [positions × vocab].
 #include <omp.h>
@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
   app.add_option("--weights-dtype", weights_dtype, "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
       ->capture_default_str();
-  app.add_option("--kv-dtype", kv_dtype, "bf16 or f32")->capture_default_str();
+  app.add_option("--kv-dtype", kv_dtype, "bf16, f32 or int8")->capture_default_str();
   app.add_option("--max-batch-tokens", max_batch, "tokens per forward pass (prefill chunk)")->capture_default_str();
   app.add_option("--ctx", max_ctx, "context limit (0 = the model's)")->capture_default_str();
   app.add_flag("--no-cache", no_cache, "recompute the whole prefix at every step");
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
   qkv::ModelOptions mo;
   auto wd = qkv::ParseWeightsMode(weights_dtype);
   if (!wd.ok()) return Fail(qkv::InvalidArgument("--weights-dtype: " + wd.status().message()));
-  auto kd = qkv::ParseDType(kv_dtype);
+  auto kd = qkv::ParseKvDType(kv_dtype);
   if (!kd.ok()) return Fail(qkv::InvalidArgument("--kv-dtype: " + kd.status().message()));
   mo.tokenizer_path = tokenizer_file;
   mo.weights_dtype = wd->dtype;

@@ -70,6 +70,141 @@ inline void WeightedSum(const float* w, const float* v, int nj, float* o) {
   for (int d = 0; d < HD; ++d) o[d] = acc[d];
 }
 
+// int8 KV: one symmetric scale per cached vector, rounded to bf16; the int8 values are then rounded
+// against the stored scale (round half to even, as torch.round), so value ≈ q × scale with
+// |error| ≤ scale / 2. An all-zero vector has scale 0; a non-finite one gets a NaN scale (and q = 0), so it
+// poisons the attention that reads it as a bf16 cache would.
+inline void QuantizeI8(const float* x, int n, int8_t* q, size_t stride, uint8_t* scale_out) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    finite &= std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  uint16_t sb = finite ? F32ToBf16(amax / 127.0f) : uint16_t{0x7fc0};
+  const float sc = Bf16ToF32(sb);
+  for (int i = 0; i < n; ++i) {
+    const float r = finite && sc > 0.0f ? std::nearbyint(x[i] / sc) : 0.0f;
+    q[i * stride] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+  }
+  std::memcpy(scale_out, &sb, 2);
+}
+
+// The bf16 scales of an int8 region's n vectors (they follow its block_size × head_dim values), × mul.
+inline void ScalesI8(const uint8_t* region, int bs, int hd, int n, float mul, float* out) {
+  const uint8_t* p = region + static_cast<size_t>(bs) * hd;
+  for (int j = 0; j < n; ++j) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * j, 2);
+    out[j] = Bf16ToF32(h) * mul;
+  }
+}
+
+inline __m256 I8x8ToF32(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Scores of NH heads against one block of 16 int8 keys stored transposed ([hd][16]): each key row is
+// converted once in registers and shared by the heads; then × the slot's scale × 1/sqrt(hd).
+template <int NH>
+inline void BlockScoresI8x16(const float* const* q, const int8_t* kt, int hd, const float* slot_mul, float* const* sc) {
+  __m256 a[NH][2];
+  for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = _mm256_setzero_ps();
+  for (int d = 0; d < hd; ++d) {
+    const __m256 k0 = I8x8ToF32(kt + d * 16), k1 = I8x8ToF32(kt + d * 16 + 8);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 qd = _mm256_broadcast_ss(q[h] + d);
+      a[h][0] = _mm256_fmadd_ps(qd, k0, a[h][0]);
+      a[h][1] = _mm256_fmadd_ps(qd, k1, a[h][1]);
+    }
+  }
+  const __m256 m0 = _mm256_loadu_ps(slot_mul), m1 = _mm256_loadu_ps(slot_mul + 8);
+  for (int h = 0; h < NH; ++h) {
+    _mm256_storeu_ps(sc[h], _mm256_mul_ps(a[h][0], m0));
+    _mm256_storeu_ps(sc[h] + 8, _mm256_mul_ps(a[h][1], m1));
+  }
+}
+
+// o_h += Σ_j w_h[j] · v[j] for NH heads over nj int8 value rows of hd ([nj][hd]), 8·ND dims at a time:
+// each value row is converted once in registers and shared by the heads. Every output element is one
+// FMA chain in position order, whatever NH and ND.
+template <int NH, int ND>
+inline void WeightedSumI8(const float* const* w, const int8_t* v, int nj, int hd, float* const* o) {
+  for (int d0 = 0; d0 < hd; d0 += 8 * ND) {
+    __m256 acc[NH][ND];
+    for (int h = 0; h < NH; ++h)
+      for (int n = 0; n < ND; ++n) acc[h][n] = _mm256_loadu_ps(o[h] + d0 + 8 * n);
+    for (int j = 0; j < nj; ++j) {
+      __m256 vf[ND];
+      for (int n = 0; n < ND; ++n) vf[n] = I8x8ToF32(v + static_cast<size_t>(j) * hd + d0 + 8 * n);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 wb = _mm256_broadcast_ss(w[h] + j);
+        for (int n = 0; n < ND; ++n) acc[h][n] = _mm256_fmadd_ps(wb, vf[n], acc[h][n]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int n = 0; n < ND; ++n) _mm256_storeu_ps(o[h] + d0 + 8 * n, acc[h][n]);
+  }
+}
+
+// Pass 1 on an int8 block for the group's heads: scores[hh][j] = (q_hh · k_int_j) × s_j / sqrt(hd).
+void BlockScoresI8(const float* const* q, int group, const uint8_t* region, int hd, int bs, float scale,
+                   float* slot_mul, float* const* sc) {
+  ScalesI8(region, bs, hd, bs, scale, slot_mul);
+  const auto* kt = reinterpret_cast<const int8_t*>(region);
+  if (bs == 16) {
+    int h = 0;
+    for (; h + 4 <= group; h += 4) BlockScoresI8x16<4>(q + h, kt, hd, slot_mul, sc + h);
+    switch (group - h) {
+      case 3: BlockScoresI8x16<3>(q + h, kt, hd, slot_mul, sc + h); break;
+      case 2: BlockScoresI8x16<2>(q + h, kt, hd, slot_mul, sc + h); break;
+      case 1: BlockScoresI8x16<1>(q + h, kt, hd, slot_mul, sc + h); break;
+      default: break;
+    }
+    return;
+  }
+  for (int hh = 0; hh < group; ++hh) {
+    for (int j = 0; j < bs; ++j) {
+      float a = 0.0f;
+      for (int d = 0; d < hd; ++d) a += q[hh][d] * static_cast<float>(kt[static_cast<size_t>(d) * bs + j]);
+      sc[hh][j] = a * slot_mul[j];
+    }
+  }
+}
+
+// Pass 2 on an int8 block: w[hh][j] is first multiplied by the value's scale s_j (in place), then
+// o_hh += Σ_j w[hh][j] · v_int_j.
+void WeightedSumI8Block(float* const* w, int group, const uint8_t* region, int hd, int bs, int nj, float* vmul,
+                        float* const* o) {
+  ScalesI8(region, bs, hd, nj, 1.0f, vmul);
+  for (int hh = 0; hh < group; ++hh)
+    for (int j = 0; j < nj; ++j) w[hh][j] *= vmul[j];
+  const auto* v = reinterpret_cast<const int8_t*>(region);
+  const float* const* wc = w;
+  if (hd % 16 != 0) {
+    for (int hh = 0; hh < group; ++hh)
+      for (int j = 0; j < nj; ++j)
+        for (int d = 0; d < hd; ++d) o[hh][d] += wc[hh][j] * static_cast<float>(v[static_cast<size_t>(j) * hd + d]);
+    return;
+  }
+  if (group == 1) {
+    if (hd % 64 == 0) return WeightedSumI8<1, 8>(wc, v, nj, hd, o);
+    return WeightedSumI8<1, 2>(wc, v, nj, hd, o);
+  }
+  if (group == 2) {
+    if (hd % 32 == 0) return WeightedSumI8<2, 4>(wc, v, nj, hd, o);
+    return WeightedSumI8<2, 2>(wc, v, nj, hd, o);
+  }
+  int h = 0;
+  for (; h + 4 <= group; h += 4) WeightedSumI8<4, 2>(wc + h, v, nj, hd, o + h);
+  switch (group - h) {
+    case 3: WeightedSumI8<3, 2>(wc + h, v, nj, hd, o + h); break;
+    case 2: WeightedSumI8<2, 2>(wc + h, v, nj, hd, o + h); break;
+    case 1: WeightedSumI8<1, 2>(wc + h, v, nj, hd, o + h); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 // Within a block, keys are stored transposed ([head_dim][block_size]) so that the scores of a whole
@@ -79,6 +214,18 @@ void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k,
   const KvCacheShape& s = kv.shape();
   const int block = blocks[pos / s.block_size];
   const int slot = pos % s.block_size;
+  if (s.dtype == DType::kI8) {  // values, then the block's scales (kv_cache.h)
+    const size_t scales = static_cast<size_t>(s.block_size) * s.head_dim;
+    for (int h = 0; h < s.n_kv_heads; ++h) {
+      uint8_t* kb = kv.K(layer, block, h);
+      uint8_t* vb = kv.V(layer, block, h);
+      QuantizeI8(k + h * s.head_dim, s.head_dim, reinterpret_cast<int8_t*>(kb) + slot, s.block_size,
+                 kb + scales + 2 * slot);
+      QuantizeI8(v + h * s.head_dim, s.head_dim, reinterpret_cast<int8_t*>(vb) + static_cast<size_t>(slot) * s.head_dim,
+                 1, vb + scales + 2 * slot);
+    }
+    return;
+  }
   for (int h = 0; h < s.n_kv_heads; ++h) {
     uint8_t* kb = kv.K(layer, block, h);
     uint8_t* vb = kv.V(layer, block, h);
@@ -90,7 +237,8 @@ void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k,
 }
 
 size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size) {
-  return static_cast<size_t>(group) * (n_ctx + block_size + 8) + static_cast<size_t>(head_dim) * block_size;
+  return static_cast<size_t>(group) * (n_ctx + block_size + 8) + static_cast<size_t>(head_dim) * block_size +
+         block_size;
 }
 
 void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
@@ -106,10 +254,33 @@ void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, con
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));  // scores = q·k / sqrt(d_head)
   float* scores = scratch;                                       // [group][stride]
   float* blk = scratch + static_cast<size_t>(group) * stride;    // one block of K or V as f32
+  const bool i8 = s.dtype == DType::kI8;
+  float* slot_mul = blk + static_cast<size_t>(hd) * bs;  // int8: one block's scales ([bs])
+  // int8: the group's heads go through the kernels in chunks of up to kChunk, by pointers.
+  constexpr int kChunk = 32;
+  const float* qp[kChunk];
+  float* rows[kChunk];
+  float* outs[kChunk];
+  auto chunk = [&](int c0, int b) {
+    const int n = std::min(kChunk, group - c0);
+    for (int i = 0; i < n; ++i) {
+      qp[i] = q + (h0 + c0 + i) * hd;
+      outs[i] = out + (h0 + c0 + i) * hd;
+      rows[i] = scores + (c0 + i) * stride + static_cast<size_t>(b) * bs;
+    }
+    return n;
+  };
 
   // Pass 1: scores, block by block in position order. Slots past n_ctx in the last block are computed
   // from stale data and then ignored (never read into the softmax).
   for (int b = 0; b < n_blocks; ++b) {
+    if (i8) {  // int8 keys are read in registers, with no f32 copy of the block
+      for (int c0 = 0; c0 < group; c0 += kChunk) {
+        const int n = chunk(c0, b);
+        BlockScoresI8(qp, n, kv.K(layer, blocks[b], g), hd, bs, scale, slot_mul, rows);
+      }
+      continue;
+    }
     ToF32(kv.K(layer, blocks[b], g), hd * bs, s.dtype, blk);  // [hd][bs]
     for (int hh = 0; hh < group; ++hh) {
       const float* qh = q + (h0 + hh) * hd;
@@ -146,6 +317,13 @@ void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, con
   // Pass 2: Σ_j w_j v_j in position order.
   for (int b = 0; b < n_blocks; ++b) {
     const int nj = std::min(bs, n_ctx - b * bs);
+    if (i8) {
+      for (int c0 = 0; c0 < group; c0 += kChunk) {
+        const int n = chunk(c0, b);
+        WeightedSumI8Block(rows, n, kv.V(layer, blocks[b], g), hd, bs, nj, slot_mul, outs);
+      }
+      continue;
+    }
     ToF32(kv.V(layer, blocks[b], g), hd * nj, s.dtype, blk);  // [nj][hd]
     for (int hh = 0; hh < group; ++hh) {
       const float* w = scores + hh * stride + static_cast<size_t>(b) * bs;

@@ -6,6 +6,11 @@
 // n_heads / n_kv_heads query heads of a group share one pass over their kv head's K and V.
 // Keys are walked in position order, whatever the chunking of the sequence, so results do not depend
 // on how a prompt was split into steps.
+//
+// Cache dtypes: f32 and bf16 blocks are converted to f32 one block at a time. int8 (kv_cache.h: a bf16
+// scale per token and kv head, for K and for V) is read in registers: score_j = (q · k_int_j) × s_j /
+// sqrt(d_head), and the weighted sum uses w_j × s_j on v_int_j. Each element's sum is one chain in
+// position order, so the same-bits guarantees hold for int8 as for the others.
 #pragma once
 
 #include "engine/kv_cache.h"
@@ -19,7 +24,8 @@ struct AttentionShape {
   const float* sinks = nullptr;  // n_heads logits, or nullptr
 };
 
-// Writes one token's rotated K row and its V row (each n_kv_heads * head_dim f32) at position pos.
+// Writes one token's rotated K row and its V row (each n_kv_heads * head_dim f32) at position pos, in the
+// cache's dtype (int8: quantized per kv head, K and V each with its own scale).
 void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k, const float* v);
 
 size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size);

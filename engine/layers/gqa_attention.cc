@@ -22,7 +22,7 @@ class GqaAttention final : public Layer {
     f(*o_);
   }
   CacheSpec cache() const override {  // K and V of every kv head
-    return {int64_t{2} * c_.n_kv_heads * c_.head_dim * DTypeBytes(kv_dtype_), 0};
+    return {int64_t{2} * c_.n_kv_heads * KvVectorBytes(kv_dtype_, c_.head_dim), 0};
   }
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);

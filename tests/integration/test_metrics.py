@@ -110,6 +110,56 @@ class MetricsTest(unittest.TestCase):
         self.assertEqual(s.memory_kv_arena_bytes, s.kv_tokens_capacity * s.kv_bytes_per_token)
 
 
+class Int8KvTest(unittest.TestCase):
+    """--kv-dtype int8: the accounting counts the scales everywhere (GetModelInfo, GetStats, /metrics, the
+    arena), the same --kv-cache-bytes holds more tokens, and sessions, forks and truncation keep working."""
+
+    def test_accounting_and_sessions(self):
+        bf = Server("--block-size", str(B), "--kv-cache-bytes", "4MiB")
+        i8 = Server("--block-size", str(B), "--kv-cache-bytes", "4MiB", "--kv-dtype", "int8")
+        try:
+            info, info_bf = (x.stub.GetModelInfo(pb.GetModelInfoRequest()) for x in (i8, bf))
+            self.assertEqual((info.kv_dtype, info_bf.kv_dtype), ("int8", "bf16"))
+            per_vector = info.head_dim + 2  # int8 values and a bf16 scale
+            self.assertEqual(info.kv_bytes_per_token, info.num_layers * 2 * info.num_kv_heads * per_vector)
+            self.assertEqual(info_bf.kv_bytes_per_token, info.num_layers * 2 * info.num_kv_heads * info.head_dim * 2)
+            s, s_bf = (x.stub.GetStats(pb.GetStatsRequest()) for x in (i8, bf))
+            self.assertEqual(s.kv_bytes_per_token, info.kv_bytes_per_token)
+            self.assertEqual(s.memory_kv_arena_bytes, s.kv_tokens_capacity * s.kv_bytes_per_token)
+            self.assertEqual(s.kv_bytes_capacity, s.kv_tokens_capacity * s.kv_bytes_per_token)
+            # Same budget, more tokens: the ratio of the bytes per token (within a block of rounding).
+            ratio = info_bf.kv_bytes_per_token / info.kv_bytes_per_token
+            self.assertAlmostEqual(s.kv_tokens_capacity / s_bf.kv_tokens_capacity, ratio, delta=ratio * B / s_bf.kv_tokens_capacity)
+            m = i8.metrics()
+            self.assertEqual(m["qkvserve_kv_bytes_per_token"], info.kv_bytes_per_token)
+            self.assertEqual(m['qkvserve_kv_cache_tokens{state="capacity"}'], s.kv_tokens_capacity)
+            with open(i8.log_path) as f:
+                self.assertIn(f"KV {info.kv_bytes_per_token} per token", f.read())
+            # A session over three turns, a fork and a truncation give what fresh requests give.
+            st = i8.stub
+            st.CreateSession(pb.CreateSessionRequest(session_id="q"))
+            history = []
+            for turn in range(3):
+                ids = list(range(10 + turn, 40 + 3 * turn))
+                r = st.Complete(greedy(token_ids=pb.TokenIds(ids=ids), session_id="q", max_tokens=6, ignore_eos=True))
+                fresh = st.Complete(greedy(token_ids=pb.TokenIds(ids=history + ids), max_tokens=6, ignore_eos=True))
+                self.assertEqual(list(r.token_ids), list(fresh.token_ids), f"turn {turn}")
+                if turn:
+                    self.assertGreater(r.usage.cached_tokens, 0)
+                history += ids + list(r.token_ids)
+            st.ForkSession(pb.ForkSessionRequest(session_id="q", child_session_id="q.f"))
+            st.TruncateSession(pb.TruncateSessionRequest(session_id="q.f", num_tokens=37))
+            tail = list(range(100, 109))
+            r = st.Complete(greedy(token_ids=pb.TokenIds(ids=tail), session_id="q.f", max_tokens=6, ignore_eos=True))
+            fresh = st.Complete(greedy(token_ids=pb.TokenIds(ids=history[:37] + tail), max_tokens=6, ignore_eos=True))
+            self.assertEqual(list(r.token_ids), list(fresh.token_ids))
+            for sid in ("q.f", "q"):
+                st.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        finally:
+            bf.stop()
+            i8.stop()
+
+
 PROM = shutil.which("prometheus")
 
 

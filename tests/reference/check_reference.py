@@ -7,6 +7,10 @@ compares with the reference computed in float64:
   * f32 weights + f32 KV: max |Δlogit| <= 1e-4;
   * bf16 weights + bf16 KV (the default): max |Δlogit| <= 1% of the largest |logit|, and the same
     argmax at every position where the reference's top-two gap exceeds that tolerance.
+  * f32 weights + int8 KV (--kv-dtype int8): the reference applies the same quantization to K and V
+    (gguf_ref.int8_kv_round), and max |Δlogit| <= KV_I8_REL of the largest |logit| with the same argmax
+    where the gap is clear; logits in chunks of 7 are identical to one prefill. The distance to the
+    unquantized reference is printed too (what int8 KV costs).
   * weights kept quantized (every block type, through llama-quantize's presets): the reference runs on the
     file's dequantized twin (`qkv-model quantize --type F32`, whose values equal gguf-py's dequantization,
     tests/reference/check_dequant.py), and max |Δlogit| <= QUANT_REL of the largest |logit| (the
@@ -30,6 +34,11 @@ F32_TOL = 1e-4
 # bf16 weights and activations carry 8 significant bits, so bf16 logits are compared relative to the
 # logits' scale: max |Δlogit| <= BF16_REL × max |reference logit|. Measured worst case: docs/correctness.md.
 BF16_REL = 0.01
+
+# int8 KV against a reference that quantizes K/V the same way: our K/V are computed in f32 and the
+# reference's in float64, so an element close to a rounding boundary can land one step (scale) away.
+# Measured worst case: docs/correctness.md.
+KV_I8_REL = 0.005
 
 # Measured worst case over the presets below: docs/correctness.md.
 QUANT_REL = 0.02
@@ -93,6 +102,7 @@ def main():
     rng = np.random.default_rng(7)
     failures = 0
     worst_bf16 = 0.0
+    worst_i8 = worst_i8_cost = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for name, arch, over, fdt in CONFIGS:
             if args.only and name != args.only:
@@ -118,6 +128,16 @@ def main():
             worst_bf16 = max(worst_bf16, d / scale)
             msgs.append("bf16 " + text)
             ok &= good
+            ref_i8 = Reference(mpath, kv_int8=True).logits(tokens).numpy()
+            ours = run_logits(args.bindir, mpath, tokens, "f32", "int8", 512, lpath)
+            chunked = run_logits(args.bindir, mpath, tokens, "f32", "int8", 7, lpath)
+            d, scale, good, text = relative_check(ours, ref_i8, KV_I8_REL)
+            worst_i8 = max(worst_i8, d / scale)
+            cost = float(np.abs(ours - ref).max()) / float(np.abs(ref).max())
+            worst_i8_cost = max(worst_i8_cost, cost)
+            same = bool(np.array_equal(ours, chunked))
+            msgs.append(f"int8kv {text}, vs unquantized {100 * cost:.2f}%, chunks {'same' if same else 'DIFFER'}")
+            ok &= good and same
             print(f"{'ok  ' if ok else 'FAIL'} {name:20s} {arch:6s} {fdt:5s} " + "; ".join(msgs), flush=True)
             failures += not ok
         # Quantized weights: 256-wide rows so that the K-quant types apply (with their fallbacks elsewhere).
@@ -148,6 +168,8 @@ def main():
                   f"{'identical' if same else 'DIFFER'}", flush=True)
             failures += not ok
     print(f"worst bf16 deviation {100 * worst_bf16:.2f}% of the logit scale (tolerance {100 * BF16_REL:.0f}%)")
+    print(f"worst int8-KV deviation {100 * worst_i8:.2f}% of the logit scale (tolerance {100 * KV_I8_REL:.1f}%); "
+          f"int8 KV vs the unquantized reference: worst {100 * worst_i8_cost:.2f}%")
     print(f"worst quantized deviation {100 * worst_q:.2f}% of the logit scale (tolerance {100 * QUANT_REL:.0f}%)")
     total = len(CONFIGS) + len(QUANT_PRESETS)
     print(f"{total - failures if not args.only else 1 - failures} passed, {failures} failed")

@@ -87,8 +87,18 @@ def bf16_round(x):
     return torch.from_numpy(f.astype(np.uint32).view(np.float32).astype(np.float64))
 
 
+def int8_kv_round(x):
+    """qkvserve's int8 KV cache applied to x [T, heads, hd] (float64): per token and head, scale =
+    bf16(max|x| / 127), q = clamp(round_half_even(x / scale), -127, 127), value = q × scale."""
+    amax = x.abs().amax(-1, keepdim=True)
+    s = bf16_round(amax / 127.0)
+    q = torch.where(s > 0, torch.round(x / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(x))
+    return q.clamp(-127, 127) * s
+
+
 class Reference:
-    def __init__(self, path, round_weights_bf16=False):
+    def __init__(self, path, round_weights_bf16=False, kv_int8=False):
+        self.kv_int8 = kv_int8
         g = Gguf(path)
         self.g = g
         arch = g.kv["general.architecture"]
@@ -168,6 +178,8 @@ class Reference:
                 k = self.rms(k, T(p + "attn_k_norm.weight"))
             q = self.rope(q, pos)
             k = self.rope(k, pos)  # V is never rotated
+            if self.kv_int8:  # as the cache stores them
+                k, v = int8_kv_round(k), int8_kv_round(v)
             rep = nh // nkv
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
