@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Same bits through the server: a request's logprobs (and its prompt logprobs) are bit-identical alone and
 among 15 concurrent requests of other lengths, and with the prompt sent in one step or spread over several
-(a small --max-num-batched-tokens), for bf16 and f32 weights. Run once per instruction-set level by tests/isa_level_test.sh."""
+(a small --max-num-batched-tokens), for bf16 and f32 weights, and with an int8 KV cache. Run once per instruction-set level by tests/isa_level_test.sh."""
 import concurrent.futures
 import struct
 import unittest
@@ -41,10 +41,10 @@ class SameBitsTest(unittest.TestCase):
             s.stop()
 
     def test_alone_vs_among_others_and_chunking(self):
-        for dtype in ("bf16", "f32"):
-            with self.subTest(weights=dtype):
-                whole = self.check("--weights-dtype", dtype)
-                chunked = self.check("--weights-dtype", dtype, "--max-num-batched-tokens", "16")
+        for dtype, kv in (("bf16", "bf16"), ("f32", "bf16"), ("bf16", "int8")):
+            with self.subTest(weights=dtype, kv=kv):
+                whole = self.check("--weights-dtype", dtype, "--kv-dtype", kv)
+                chunked = self.check("--weights-dtype", dtype, "--kv-dtype", kv, "--max-num-batched-tokens", "16")
                 self.assertEqual(chunked, whole, "prompt chunking changed the bits")
 
 

@@ -26,8 +26,9 @@ def rss_bytes(pid):
 class StormTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
+        # QKV_STORM_KV: the KV cache dtype (ctest runs the storm on bf16 and, as integration_storm_int8, on int8).
         cls.s = Server("--threads", "1", "--debug-accounting", "--max-waiting", "512", "--kv-cache-bytes", "16MiB",
-                       model=make_model("storm", vocab=512))
+                       "--kv-dtype", os.environ.get("QKV_STORM_KV", "bf16"), model=make_model("storm", vocab=512))
 
     @classmethod
     def tearDownClass(cls):
