@@ -93,7 +93,11 @@ json SessionJson(const pb::Session& s) {
             {"state", s.state()},
             {"busy", s.busy()},
             {"ttl_seconds", s.ttl_seconds()},
-            {"priority", s.priority()}};
+            {"priority", s.priority()},
+            {"overflow",
+             {{"policy", s.overflow().policy() == pb::ContextOverflow::OVERFLOW_DROP_OLDEST ? "drop_oldest" : "error"},
+              {"keep_tokens", s.overflow().keep_tokens()}}},
+            {"dropped_tokens", s.dropped_tokens()}};
   if (s.token_ids_size()) j["token_ids"] = std::vector<int>(s.token_ids().begin(), s.token_ids().end());
   return j;
 }
@@ -102,10 +106,15 @@ void PrintSession(const Common& c, const pb::Session& s) {
   if (c.json_out) {
     std::cout << SessionJson(s).dump() << "\n";
   } else {
-    std::printf("%-24s %-8s tokens %-6d cached %-6d resident %lld B (%lld blocks)%s affinity %s\n",
+    std::printf("%-24s %-8s tokens %-6d cached %-6d resident %lld B (%lld blocks)%s affinity %s%s\n",
                 s.session_id().c_str(), s.state().c_str(), s.num_tokens(), s.cached_tokens(),
                 static_cast<long long>(s.resident_bytes()), static_cast<long long>(s.resident_blocks()),
-                s.busy() ? " busy" : "", s.affinity_key().c_str());
+                s.busy() ? " busy" : "", s.affinity_key().c_str(),
+                s.overflow().policy() == pb::ContextOverflow::OVERFLOW_DROP_OLDEST
+                    ? (" drop_oldest (keep " + std::to_string(s.overflow().keep_tokens()) + ", dropped " +
+                       std::to_string(s.dropped_tokens()) + ")")
+                          .c_str()
+                    : "");
   }
 }
 
@@ -135,7 +144,8 @@ void FillSampling(const GenOpts& g, pb::GenerateRequest& r) {
 }
 
 // Streams one request; prints text as it arrives (or one JSON object at the end). Returns the exit code.
-int Stream(const Common& c, pb::Inference::Stub& stub, const pb::GenerateRequest& req, std::string* reply = nullptr) {
+int Stream(const Common& c, pb::Inference::Stub& stub, const pb::GenerateRequest& req, std::string* reply = nullptr,
+           pb::Usage* usage_out = nullptr) {
   grpc::ClientContext ctx;
   Prepare(c, ctx, req.session_id());
   auto reader = stub.Generate(&ctx, req);
@@ -158,8 +168,9 @@ int Stream(const Common& c, pb::Inference::Stub& stub, const pb::GenerateRequest
   }
   const grpc::Status s = reader->Finish();
   if (reply) *reply = text;
+  if (usage_out) *usage_out = usage;
   if (!s.ok()) {
-    if (!c.json_out) std::cout << "\n";
+    if (!c.json_out) std::cout << "\n" << std::flush;
     return Report(s);
   }
   if (c.json_out) {
@@ -171,14 +182,17 @@ int Stream(const Common& c, pb::Inference::Stub& stub, const pb::GenerateRequest
                       {"usage",
                        {{"prompt_tokens", usage.prompt_tokens()},
                         {"cached_tokens", usage.cached_tokens()},
-                        {"completion_tokens", usage.completion_tokens()}}}}
+                        {"completion_tokens", usage.completion_tokens()},
+                        {"dropped_tokens", usage.dropped_tokens()}}}}
                      .dump(-1, ' ', false, json::error_handler_t::replace)
               << "\n";
   } else if (!reply) {
-    std::cout << "\n";
-    std::fprintf(stderr, "[%s%s%s; prompt %d tokens (%d cached), %d generated]\n", finish.c_str(),
+    std::cout << "\n" << std::flush;  // before the summary on stderr, also when piped
+    const std::string dropped =
+        usage.dropped_tokens() ? ", " + std::to_string(usage.dropped_tokens()) + " tokens of history dropped" : "";
+    std::fprintf(stderr, "[%s%s%s; prompt %d tokens (%d cached), %d generated%s]\n", finish.c_str(),
                  stop_reason.empty() ? "" : ": ", stop_reason.c_str(), usage.prompt_tokens(), usage.cached_tokens(),
-                 usage.completion_tokens());
+                 usage.completion_tokens(), dropped.c_str());
   }
   return 0;
 }
@@ -250,7 +264,12 @@ int GenerateCmd(const Common& c, pb::Inference::Stub& stub, const GenOpts& g) {
   return Stream(c, stub, req);
 }
 
+// Each turn asks for drop_oldest, so that the chat keeps going past the context: the oldest history goes
+// (whole KV blocks), except the first turn's prompt when it carries a system message on a session of our
+// own. Replies stop at EOS, at --stop strings, or after -n tokens (default 128).
 int ChatCmd(const Common& c, pb::Inference::Stub& stub, GenOpts chat_g, const std::string& system_prompt) {
+  if (chat_g.max_tokens <= 0) chat_g.max_tokens = 128;
+  int keep = 0;
   bool own = chat_g.session.empty();
   if (own) {
     chat_g.session = RandomId("chat-");
@@ -276,7 +295,11 @@ int ChatCmd(const Common& c, pb::Inference::Stub& stub, GenOpts chat_g, const st
     m->set_role("user");
     m->set_content(line);
     FillSampling(chat_g, req);
-    if (int rc = Stream(c, stub, req); rc != 0) return rc;
+    req.mutable_overflow()->set_policy(pb::ContextOverflow::OVERFLOW_DROP_OLDEST);
+    req.mutable_overflow()->set_keep_tokens(keep);
+    pb::Usage usage;
+    if (int rc = Stream(c, stub, req, nullptr, &usage); rc != 0) return rc;
+    if (first && own && !system_prompt.empty()) keep = usage.prompt_tokens();
     first = false;
   }
   if (own) {
@@ -510,7 +533,9 @@ int main(int argc, char** argv) {
 
   GenOpts chat_g;
   std::string system_prompt;
-  auto* chat = app.add_subcommand("chat", "interactive multi-turn chat on a session (one line per turn; Ctrl-D ends)");
+  auto* chat = app.add_subcommand("chat",
+                                  "interactive multi-turn chat on a session (one line per turn; Ctrl-D ends); the "
+                                  "oldest history is dropped when the context is full; -n defaults to 128");
   chat->add_option("--session", chat_g.session, "continue this session (default: a new one, closed at the end)");
   chat->add_option("--system", system_prompt, "system message for the first turn");
   AddGenOptions(chat, chat_g);

@@ -144,6 +144,9 @@ T Engine::Call(std::function<T()> fn) {
 void Engine::RunOnEngineThread(std::function<void()> fn) {
   Call<int>([&] {
     fn();
+    // Stats() is then current: the rate limit of MaybePublishStats (which grows on a loaded machine) could
+    // otherwise leave a snapshot from before the last command.
+    PublishStats();
     return 0;
   });
 }
@@ -249,20 +252,49 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
                                 "' is busy with another request; wait for it or cancel it");
     }
   }
+  // The context-overflow policy: the request's, else the session's.
+  if (p.overflow.keep_tokens < 0) return InvalidArgument("overflow.keep_tokens must be at least 0");
+  ContextOverflow overflow = session ? session->overflow : ContextOverflow{OverflowPolicy::kError, 0};
+  if (p.overflow.policy != OverflowPolicy::kUnspecified) overflow = p.overflow;
+  if (!session && overflow.policy == OverflowPolicy::kDropOldest) {
+    return InvalidArgument("overflow.policy drop_oldest needs a session_id (it drops session history)");
+  }
   // 64-bit: a client's max_tokens near INT_MAX must not wrap past the check.
   const int64_t max_ctx = model_.max_context();
-  const int64_t history = session ? static_cast<int64_t>(session->ctx.tokens.size()) : 0;
-  const int64_t ctx_len = history + static_cast<int64_t>(p.prompt.size());
+  int64_t history = session ? static_cast<int64_t>(session->ctx.tokens.size()) : 0;
+  int64_t ctx_len = history + static_cast<int64_t>(p.prompt.size());
   int64_t max_tokens = p.max_tokens;
+  const int B = model_.options().block_size;
+  // drop_oldest: the oldest history after the kept prefix goes, in whole blocks, so that history + prompt +
+  // the reply limit (asked, or the server's default) fit. Planned here, applied once every check passed.
+  int64_t drop = 0, keep = 0;
+  if (overflow.policy == OverflowPolicy::kDropOldest) {
+    const int64_t want = max_tokens == -1 ? opt_.default_max_tokens : max_tokens;
+    const int64_t over = ctx_len + want - max_ctx;
+    if (over > 0 && want >= 1) {
+      keep = std::min<int64_t>(overflow.keep_tokens, history);
+      if (history - keep < over) {
+        return InvalidArgument("context overflow: the kept prefix (overflow.keep_tokens " + std::to_string(keep) +
+                               ") + prompt (" + std::to_string(p.prompt.size()) + ") + max_tokens (" +
+                               std::to_string(want) + ") exceeds the context of " + std::to_string(max_ctx) +
+                               " tokens even with all other history dropped");
+      }
+      drop = std::min((over + B - 1) / B * B, history - keep);
+      history -= drop;
+      ctx_len -= drop;
+      max_tokens = want;
+    }
+  }
   if (max_tokens == -1) max_tokens = std::min<int64_t>(opt_.default_max_tokens, max_ctx - ctx_len);
   if (ctx_len + max_tokens > max_ctx || max_tokens < 1) {
     return InvalidArgument(
         "context overflow: " + std::string(session ? "session history (" + std::to_string(history) + ") + " : "") +
         "prompt (" + std::to_string(p.prompt.size()) + ") + max_tokens (" +
         std::to_string(std::max<int64_t>(max_tokens, 1)) + ") exceeds the context of " + std::to_string(max_ctx) +
-        " tokens" + (session ? "; truncate the session (TruncateSession) or start a new one" : ""));
+        " tokens" +
+        (session ? "; truncate the session (TruncateSession), start a new one, or set overflow.policy drop_oldest"
+                 : ""));
   }
-  const int B = model_.options().block_size;
   if ((ctx_len + max_tokens + B - 1) / B > scheduler_.pool().total_blocks()) {
     return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
                              " tokens of KV cache, more than the whole cache holds (" +
@@ -275,6 +307,15 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   s->max_tokens = static_cast<int>(max_tokens);  // <= the context
   s->use_prefix_cache = opt_.prefix_caching && !p.prompt_logprobs;
   if (session) {
+    if (drop > 0) {  // positions after the kept prefix change: their K/V goes and is recomputed
+      s->n_dropped = static_cast<int>(drop);
+      s->drop_keep = static_cast<int>(keep);
+      s->tokens_before_drop = session->ctx.tokens;
+      std::vector<int> rest(session->ctx.tokens.begin() + keep + drop, session->ctx.tokens.end());
+      scheduler_.Truncate(session->ctx, static_cast<int>(keep));
+      session->ctx.tokens.insert(session->ctx.tokens.end(), rest.begin(), rest.end());
+      session->dropped_tokens += drop;
+    }
     s->session = session;
     s->session_tokens_before = session->ctx.tokens;
     s->session_kv_before = session->ctx.kv.n_tokens;
@@ -323,7 +364,7 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
   e.stop_reason = stop_reason;
   e.error = std::move(error);
   if (reason != FinishReason::kError) e.text = s->output->Finish();
-  e.usage = {s->n_prompt, s->n_cached, s->n_generated};
+  e.usage = {s->n_prompt, s->n_cached, s->n_generated, s->n_dropped};
   const auto now = Clock::now();
   e.timings.queue_s = s->scheduled_once ? Seconds(s->submitted, s->first_scheduled) : Seconds(s->submitted, now);
   e.timings.ttft_s = s->emitted_token ? Seconds(s->submitted, s->first_token) : 0;
@@ -334,8 +375,15 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
 
   if (Session* ss = s->session) {
     if (reason != FinishReason::kStop && reason != FinishReason::kLength) {
-      // The turn failed: back to exactly the history before it.
-      scheduler_.Truncate(s->ctx, static_cast<int>(s->session_tokens_before.size()));
+      // The turn failed: back to exactly the history before it, including what drop_oldest dropped (its
+      // K/V past the kept prefix is gone and is recomputed by the next turn).
+      if (s->n_dropped > 0) {
+        scheduler_.Truncate(s->ctx, s->drop_keep);
+        s->ctx.tokens = std::move(s->tokens_before_drop);
+        ss->dropped_tokens -= s->n_dropped;
+      } else {
+        scheduler_.Truncate(s->ctx, static_cast<int>(s->session_tokens_before.size()));
+      }
     }
     ss->ctx = std::move(s->ctx);
     ss->busy = false;
@@ -565,6 +613,8 @@ SessionInfo Engine::Info(const Session& s, bool with_tokens) const {
   i.busy = s.busy;
   i.ttl_s = s.ttl_s;
   i.priority = s.priority;
+  i.overflow = s.overflow;
+  i.dropped_tokens = s.dropped_tokens;
   i.created_unix = UnixTime(s.created);
   i.last_used_unix = UnixTime(s.last_used);
   if (with_tokens) {
@@ -574,19 +624,31 @@ SessionInfo Engine::Info(const Session& s, bool with_tokens) const {
 }
 
 void Engine::CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
-                           std::vector<int> initial_tokens, Done<StatusOr<SessionInfo>> done) {
-  Async<StatusOr<SessionInfo>>([=, this] { return DoCreateSession(ns, id, ttl_s, priority, initial_tokens); },
+                           std::vector<int> initial_tokens, ContextOverflow overflow,
+                           Done<StatusOr<SessionInfo>> done) {
+  Async<StatusOr<SessionInfo>>([=, this] { return DoCreateSession(ns, id, ttl_s, priority, initial_tokens, overflow); },
                                std::move(done));
 }
 
 StatusOr<SessionInfo> Engine::CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
-                                            std::vector<int> initial_tokens) {
-  return Call<StatusOr<SessionInfo>>([&] { return DoCreateSession(ns, id, ttl_s, priority, initial_tokens); });
+                                            std::vector<int> initial_tokens, ContextOverflow overflow) {
+  return Call<StatusOr<SessionInfo>>(
+      [&] { return DoCreateSession(ns, id, ttl_s, priority, initial_tokens, overflow); });
 }
 
+namespace {
+// A session's policy: unspecified means error; keep_tokens must not be negative.
+StatusOr<ContextOverflow> SessionOverflow(ContextOverflow o) {
+  if (o.keep_tokens < 0) return InvalidArgument("overflow.keep_tokens must be at least 0");
+  if (o.policy == OverflowPolicy::kUnspecified) o.policy = OverflowPolicy::kError;
+  return o;
+}
+}  // namespace
+
 StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
-                                              std::vector<int> initial_tokens) {
+                                              std::vector<int> initial_tokens, ContextOverflow overflow) {
   QKV_RETURN_IF_ERROR(CheckId("session_id", id));
+  QKV_ASSIGN_OR_RETURN(overflow, SessionOverflow(overflow));
   // Bounded so that now + ttl is representable (an infinite or 1e30 s TTL overflowed the deadline).
   constexpr double kMaxTtl = 10.0 * 365 * 24 * 3600;
   if (!(ttl_s >= 0 && ttl_s <= kMaxTtl)) {
@@ -607,7 +669,25 @@ StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::
   s->ctx.tokens = std::move(initial_tokens);
   s->ttl_s = ttl_s;
   s->priority = priority;
+  s->overflow = overflow;
   return AddSession(std::move(s));
+}
+
+void Engine::UpdateSession(const std::string& ns, const std::string& id, ContextOverflow overflow,
+                           Done<StatusOr<SessionInfo>> done) {
+  Async<StatusOr<SessionInfo>>([=, this] { return DoUpdateSession(ns, id, overflow); }, std::move(done));
+}
+
+StatusOr<SessionInfo> Engine::UpdateSession(const std::string& ns, const std::string& id, ContextOverflow overflow) {
+  return Call<StatusOr<SessionInfo>>([&] { return DoUpdateSession(ns, id, overflow); });
+}
+
+StatusOr<SessionInfo> Engine::DoUpdateSession(const std::string& ns, const std::string& id, ContextOverflow overflow) {
+  Session* s = FindSession(ns, id);
+  if (!s) return NotFound("session '" + id + "' not found");
+  QKV_ASSIGN_OR_RETURN(s->overflow, SessionOverflow(overflow));
+  if (!s->busy) Touch(*s);
+  return Info(*s, false);
 }
 
 void Engine::GetSession(const std::string& ns, const std::string& id, bool with_tokens,
@@ -670,6 +750,8 @@ StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::st
   for (int b : s->ctx.kv.blocks) scheduler_.pool().Ref(b);
   s->ttl_s = p->ttl_s;
   s->priority = p->priority;
+  s->overflow = p->overflow;
+  s->dropped_tokens = p->dropped_tokens;
   return AddSession(std::move(s));
 }
 

@@ -71,7 +71,9 @@ struct SessionInfo {
   double ttl_s = 0;
   int priority = 0;
   double created_unix = 0, last_used_unix = 0;
-  std::vector<int> tokens;  // only when asked
+  ContextOverflow overflow;
+  int64_t dropped_tokens = 0;  // history dropped by drop_oldest over the session's life
+  std::vector<int> tokens;     // only when asked
 };
 
 // A Prometheus-style histogram: counts per bucket (upper bounds `bounds`, then +Inf), sum and count.
@@ -135,10 +137,15 @@ class Engine {
   // Cancels a request of namespace ns; unknown ids are a no-op. Takes effect within one step. Never waits.
   void Cancel(const std::string& ns, const std::string& request_id);
 
+  // overflow: the session's context-overflow policy (kUnspecified: kError).
   void CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
-                     std::vector<int> initial_tokens, Done<StatusOr<SessionInfo>> done);
+                     std::vector<int> initial_tokens, ContextOverflow overflow, Done<StatusOr<SessionInfo>> done);
   StatusOr<SessionInfo> CreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
-                                      std::vector<int> initial_tokens);
+                                      std::vector<int> initial_tokens, ContextOverflow overflow = {});
+  // Changes a session's context-overflow policy (also while a turn runs: it applies from the next one).
+  void UpdateSession(const std::string& ns, const std::string& id, ContextOverflow overflow,
+                     Done<StatusOr<SessionInfo>> done);
+  StatusOr<SessionInfo> UpdateSession(const std::string& ns, const std::string& id, ContextOverflow overflow);
   // A busy session (a turn running on it) reports its history before the turn and the blocks it holds now.
   void GetSession(const std::string& ns, const std::string& id, bool with_tokens, Done<StatusOr<SessionInfo>> done);
   StatusOr<SessionInfo> GetSession(const std::string& ns, const std::string& id, bool with_tokens);
@@ -161,7 +168,7 @@ class Engine {
   void Shutdown();
   // Test hook: checks block accounting against every owner; "" when consistent. Runs on the engine thread.
   std::string CheckConsistency();
-  // Test hook: runs fn on the engine thread between steps.
+  // Test hook: runs fn on the engine thread between steps, then publishes the stats snapshot.
   void RunOnEngineThread(std::function<void()> fn);
   const Model& model() const { return model_; }
   const EngineOptions& options() const { return opt_; }
@@ -183,7 +190,8 @@ class Engine {
   T Call(std::function<T()> fn);
   StreamOrError DoSubmit(GenerateParams p);
   StatusOr<SessionInfo> DoCreateSession(const std::string& ns, const std::string& id, double ttl_s, int priority,
-                                        std::vector<int> initial_tokens);
+                                        std::vector<int> initial_tokens, ContextOverflow overflow);
+  StatusOr<SessionInfo> DoUpdateSession(const std::string& ns, const std::string& id, ContextOverflow overflow);
   StatusOr<SessionInfo> DoGetSession(const std::string& ns, const std::string& id, bool with_tokens);
   std::vector<SessionInfo> DoListSessions(const std::string& ns);
   StatusOr<SessionInfo> DoForkSession(const std::string& ns, const std::string& parent, const std::string& child);

@@ -36,7 +36,9 @@ struct Session {
   Clock::time_point created, last_used;
   Clock::time_point expires_at;  // last_used + ttl, while queued in the engine's expiry order
   bool expiry_queued = false;
-  bool busy = false;  // a request is running on it
+  ContextOverflow overflow{OverflowPolicy::kError, 0};
+  int64_t dropped_tokens = 0;  // history dropped by drop_oldest over the session's life
+  bool busy = false;           // a request is running on it
   // The running turn while busy: the context (and its blocks) are with it until it finishes.
   const Sequence* turn = nullptr;
   bool evicted() const { return ctx.kv.blocks.empty() && !ctx.tokens.empty(); }
@@ -58,6 +60,11 @@ struct Sequence {
   Session* session = nullptr;
   std::vector<int> session_tokens_before;  // to restore the session if the turn fails
   int session_kv_before = 0;
+  // drop_oldest at admission: how many history tokens were dropped, after which kept prefix, and the
+  // history before the drop (a failed turn restores it; its K/V past the kept prefix is recomputed).
+  int n_dropped = 0;
+  int drop_keep = 0;
+  std::vector<int> tokens_before_drop;
   std::vector<float> prompt_logprobs;
   bool prompt_logprobs_sent = false;
   Clock::time_point submitted, first_scheduled, first_token, last_token;

@@ -408,9 +408,8 @@ int main(int argc, char** argv) {
   if (!tmpl.ok()) return Fail(tmpl.status().message());
   const auto& kvs = m.cache_layout().tokens;
   spdlog::info(
-      "model {}: {}; weights {:.1f} MB; KV {} per token ({}), capacity {} blocks = {} tokens = {:.1f} MiB = {} "
-      "sessions "
-      "of 4k tokens",
+      "model {}: {}; weights {:.1f} MB; KV {} per token ({}), capacity {} blocks = {} tokens = {:.1f} MiB = "
+      "{} sessions of 4k tokens",
       std::filesystem::path(f.model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
       kvs.bytes_per_token(), qkv::DTypeName(kvs.dtype), kvs.n_blocks, kvs.n_blocks * kvs.block_size,
       m.cache_layout().token_bytes() / 1048576.0, kvs.n_blocks * kvs.block_size / 4096);

@@ -49,6 +49,7 @@ void AppendEvent(const StreamEvent& e, const std::vector<int>& prompt_tokens, Re
     r->mutable_usage()->set_prompt_tokens(e.usage.prompt_tokens);
     r->mutable_usage()->set_cached_tokens(e.usage.cached_tokens);
     r->mutable_usage()->set_completion_tokens(e.usage.completion_tokens);
+    r->mutable_usage()->set_dropped_tokens(e.usage.dropped_tokens);
     r->mutable_timings()->set_queue_seconds(e.timings.queue_s);
     r->mutable_timings()->set_time_to_first_token_seconds(e.timings.ttft_s);
     r->mutable_timings()->set_total_seconds(e.timings.total_s);
@@ -69,6 +70,24 @@ void FillSession(const SessionInfo& i, pb::Session* s) {
   s->set_created_unix(i.created_unix);
   s->set_last_used_unix(i.last_used_unix);
   for (int t : i.tokens) s->add_token_ids(t);
+  s->mutable_overflow()->set_policy(i.overflow.policy == OverflowPolicy::kDropOldest
+                                        ? pb::ContextOverflow::OVERFLOW_DROP_OLDEST
+                                        : pb::ContextOverflow::OVERFLOW_ERROR);
+  s->mutable_overflow()->set_keep_tokens(i.overflow.keep_tokens);
+  s->set_dropped_tokens(i.dropped_tokens);
+}
+
+StatusOr<ContextOverflow> ToOverflow(const pb::ContextOverflow& o) {
+  ContextOverflow c;
+  switch (o.policy()) {
+    case pb::ContextOverflow::POLICY_UNSPECIFIED: c.policy = OverflowPolicy::kUnspecified; break;
+    case pb::ContextOverflow::OVERFLOW_ERROR: c.policy = OverflowPolicy::kError; break;
+    case pb::ContextOverflow::OVERFLOW_DROP_OLDEST: c.policy = OverflowPolicy::kDropOldest; break;
+    default: return InvalidArgument("overflow.policy " + std::to_string(o.policy()) + " is not a known policy");
+  }
+  if (o.keep_tokens() < 0) return InvalidArgument("overflow.keep_tokens must be at least 0");
+  c.keep_tokens = o.keep_tokens();
+  return c;
 }
 
 // Authenticates and converts a generation on the caller's thread (stateless checks, tokenization); the
@@ -404,6 +423,7 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
   p.request_id = req.has_request_id() ? req.request_id() : NewId("req");
   if (req.has_request_id() && req.request_id().empty()) return InvalidArgument("request_id is empty");
   p.priority = req.priority();
+  QKV_ASSIGN_OR_RETURN(p.overflow, ToOverflow(req.overflow()));
   SamplingParams& s = p.sampling;
   if (req.has_temperature()) s.temperature = req.temperature();
   if (req.has_top_p()) s.top_p = req.top_p();
@@ -458,10 +478,24 @@ grpc::ServerUnaryReactor* InferenceService::CreateSession(grpc::CallbackServerCo
   if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
   if (draining_) return Done(ctx, ToGrpc(Status(StatusCode::kUnavailable, "the server is draining")));
   const std::string id = req->has_session_id() ? req->session_id() : NewId("s");
+  auto overflow = ToOverflow(req->overflow());
+  if (!overflow.ok()) return Done(ctx, ToGrpc(overflow.status()));
   auto* reactor = ctx->DefaultReactor();
   engine_.CreateSession(*ns, id, req->ttl_seconds(), req->priority(),
-                        std::vector<int>(req->initial_token_ids().begin(), req->initial_token_ids().end()),
+                        std::vector<int>(req->initial_token_ids().begin(), req->initial_token_ids().end()), *overflow,
                         SessionDone(reactor, resp));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::UpdateSession(grpc::CallbackServerContext* ctx,
+                                                          const pb::UpdateSessionRequest* req, pb::Session* resp) {
+  auto ns = Authenticate(ctx);
+  if (!ns.ok()) return Done(ctx, ToGrpc(ns.status()));
+  if (Status st = CheckId("session_id", req->session_id()); !st.ok()) return Done(ctx, ToGrpc(st));
+  auto overflow = ToOverflow(req->overflow());
+  if (!overflow.ok()) return Done(ctx, ToGrpc(overflow.status()));
+  auto* reactor = ctx->DefaultReactor();
+  engine_.UpdateSession(*ns, req->session_id(), *overflow, SessionDone(reactor, resp));
   return reactor;
 }
 

@@ -237,6 +237,104 @@ TEST_P(EngineTest, TruncatedSessionContinuesAsFresh) {
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
+// drop_oldest: a session keeps going past its context. Each turn drops whole blocks of the oldest history
+// after the kept prefix, reports them in usage and on the session, and answers exactly what a fresh request
+// over the shortened history answers; the kept prefix never changes.
+TEST_P(EngineTest, DropOldestKeepsThePrefixAndAnswersAsFresh) {
+  Start();
+  const int B = 16, keep = 10;
+  ASSERT_TRUE(engine_->CreateSession("", "d", 0, 0, Prompt(keep, 9), {OverflowPolicy::kDropOldest, keep}).ok());
+  const std::vector<int> prefix = Prompt(keep, 9);
+  int64_t dropped_total = 0;
+  int turns_that_dropped = 0;
+  for (int turn = 0; turn < 14; ++turn) {
+    auto before = engine_->GetSession("", "d", true);
+    ASSERT_TRUE(before.ok());
+    const std::vector<int> p = Prompt(30 + turn % 3, turn);
+    const Result r = Run(Greedy(p, 20, "d"));
+    ASSERT_EQ(r.final.finish, FinishReason::kLength) << "turn " << turn << ": " << r.final.error.ToString();
+    const int d = r.final.usage.dropped_tokens;
+    const int n = static_cast<int>(before->tokens.size());
+    if (d > 0) {
+      ++turns_that_dropped;
+      EXPECT_TRUE(d % B == 0 || d == n - keep) << d;
+      EXPECT_LE(n - d + static_cast<int>(p.size()) + 20, cfg_.context_length);
+    } else {
+      EXPECT_LE(n + static_cast<int>(p.size()) + 20, cfg_.context_length);
+    }
+    std::vector<int> full(before->tokens.begin(), before->tokens.begin() + keep);
+    full.insert(full.end(), before->tokens.begin() + keep + d, before->tokens.end());
+    full.insert(full.end(), p.begin(), p.end());
+    EXPECT_EQ(r.final.usage.prompt_tokens, static_cast<int>(full.size()));
+    EXPECT_EQ(r.tokens, Run(Greedy(full, 20)).tokens) << "turn " << turn;
+    dropped_total += d;
+    auto after = engine_->GetSession("", "d", true);
+    ASSERT_TRUE(after.ok());
+    EXPECT_TRUE(std::equal(prefix.begin(), prefix.end(), after->tokens.begin()));
+    EXPECT_EQ(after->dropped_tokens, dropped_total);
+    EXPECT_EQ(after->overflow.policy, OverflowPolicy::kDropOldest);
+  }
+  EXPECT_GE(turns_that_dropped, 4);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
+// The policy: error by default (the message points at drop_oldest), per request, changeable, validated.
+TEST_P(EngineTest, OverflowPolicyPerSessionAndPerRequest) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("", "e", 0, 0, Prompt(200, 1)).ok());
+  auto over = engine_->Submit(Greedy(Prompt(40, 2), 20, "e"));
+  ASSERT_EQ(over.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(over.status().message().find("drop_oldest"), std::string::npos) << over.status().message();
+  GenerateParams one = Greedy(Prompt(40, 2), 20, "e");  // this request only
+  one.overflow = {OverflowPolicy::kDropOldest, 0};
+  const Result r = Run(one);
+  EXPECT_EQ(r.final.usage.dropped_tokens, 16);  // 200 + 40 + 20 - 256 = 4 over: one whole block
+  EXPECT_EQ(engine_->GetSession("", "e", false)->overflow.policy, OverflowPolicy::kError);
+  auto up = engine_->UpdateSession("", "e", {OverflowPolicy::kDropOldest, 5});
+  ASSERT_TRUE(up.ok());
+  EXPECT_EQ(up->overflow.keep_tokens, 5);
+  EXPECT_EQ(Run(Greedy(Prompt(40, 3), 20, "e")).final.finish, FinishReason::kLength);
+  // Validation: keep + prompt + max_tokens must fit; drop_oldest needs a session; keep_tokens >= 0.
+  ASSERT_TRUE(engine_->UpdateSession("", "e", {OverflowPolicy::kDropOldest, 230}).ok());
+  auto big = engine_->Submit(Greedy(Prompt(20, 4), 20, "e"));
+  EXPECT_EQ(big.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(big.status().message().find("overflow.keep_tokens"), std::string::npos) << big.status().message();
+  GenerateParams stateless = Greedy(Prompt(20, 4), 4);
+  stateless.overflow = {OverflowPolicy::kDropOldest, 0};
+  EXPECT_EQ(engine_->Submit(stateless).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->UpdateSession("", "e", {OverflowPolicy::kDropOldest, -1}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->UpdateSession("", "nope", {}).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
+// A turn that dropped history and was then cancelled leaves the session's history and count as they were.
+TEST_P(EngineTest, CancelledTurnRestoresDroppedHistory) {
+  Start();
+  ASSERT_TRUE(engine_->CreateSession("", "c", 0, 0, Prompt(100, 1), {OverflowPolicy::kDropOldest, 8}).ok());
+  Run(Greedy(Prompt(60, 2), 8, "c"));  // 169 tokens of history, with K/V
+  auto before = engine_->GetSession("", "c", true);
+  ASSERT_TRUE(before.ok());
+  auto st = engine_->Submit(Greedy(Prompt(40, 3), 100, "c"));  // drops 64
+  ASSERT_TRUE(st.ok());
+  StreamEvent e;
+  ASSERT_TRUE((*st)->Next(&e, std::chrono::seconds(30)));
+  engine_->Cancel("", (*st)->request_id());
+  const Result r = Drain(*st);
+  ASSERT_EQ(r.final.finish, FinishReason::kCancelled);
+  auto after = engine_->GetSession("", "c", true);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tokens, before->tokens);
+  EXPECT_EQ(after->dropped_tokens, 0);
+  // The next turn answers as a fresh request over the restored history.
+  const std::vector<int> p = Prompt(5, 4);
+  auto now = engine_->GetSession("", "c", true);
+  std::vector<int> full = now->tokens;
+  full.insert(full.end(), p.begin(), p.end());
+  EXPECT_EQ(Run(Greedy(p, 6, "c")).tokens, Run(Greedy(full, 6)).tokens);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
 TEST_P(EngineTest, NamespacesIsolateSessionsAndPrefixes) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("alice", "x", 0, 0, {}).ok());

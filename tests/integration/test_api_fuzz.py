@@ -178,13 +178,19 @@ class ApiFuzzTest(unittest.TestCase):
         if rng.random() < 0.2:
             r.logprobs = rng.choice([0, 1, 5, 20, 21, -1, 2**31 - 1])
         r.prompt_logprobs = rng.random() < 0.1
+        if rng.random() < 0.25:
+            self.fill_overflow(rng, r.overflow)
         return r
+
+    def fill_overflow(self, rng, o):
+        o.policy = rng.choice([0, 1, 2, 2, 2, 3, -1, 2**31 - 1])  # unknown values too
+        o.keep_tokens = self.pick_int(rng) if rng.random() < 0.3 else rng.randint(0, 40)
 
     def one_request(self, rng, stub, raw_complete, raw_tokenize, sessions):
         """Sends one generated request; returns (rpc, status code, details)."""
         kinds = ["generate", "complete", "cancel_mid_stream", "raw_bad_utf8", "create", "fork", "truncate", "close",
-                 "get", "list", "tokenize", "detokenize", "cancel", "info", "stats"]
-        kind = rng.choices(kinds, weights=[14, 14, 8, 4, 8, 6, 6, 5, 4, 2, 6, 5, 4, 2, 2])[0]
+                 "get", "list", "tokenize", "detokenize", "cancel", "info", "stats", "update"]
+        kind = rng.choices(kinds, weights=[14, 14, 8, 4, 8, 6, 6, 5, 4, 2, 6, 5, 4, 2, 2, 4])[0]
         timeout = 60
         try:
             if kind == "generate":
@@ -212,6 +218,8 @@ class ApiFuzzTest(unittest.TestCase):
                                               priority=self.pick_int(rng) if rng.random() < 0.2 else 0)
                 if rng.random() < 0.8:
                     req.session_id = "fz-%d" % rng.randint(0, 50) if rng.random() < 0.8 else rng.choice(IDS)
+                if rng.random() < 0.3:
+                    self.fill_overflow(rng, req.overflow)
                 if rng.random() < 0.3:
                     req.initial_token_ids.extend(rng.randint(0, VOCAB - 1) if rng.random() < 0.95 else
                                                  self.pick_int(rng) for _ in range(rng.choice([1, 10, 100, 300])))
@@ -247,6 +255,10 @@ class ApiFuzzTest(unittest.TestCase):
                 stub.Cancel(pb.CancelRequest(request_id=self.pick_id(rng, [])), timeout=timeout)
             elif kind == "info":
                 stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            elif kind == "update":
+                req = pb.UpdateSessionRequest(session_id=self.pick_id(rng, sessions))
+                self.fill_overflow(rng, req.overflow)
+                stub.UpdateSession(req, timeout=timeout)
             elif kind == "stats":
                 stub.GetStats(pb.GetStatsRequest(top_sessions=self.pick_int(rng)), timeout=timeout)
         except grpc.RpcError as e:

@@ -6,7 +6,8 @@ GGUF's own weights in float64).
   * held-out perplexity through the API (prompt_logprobs) within 0.1% with f32 weights and KV, within 1%
     with the defaults (bf16); with --kv-dtype int8 within 1% of the bf16-KV figure;
   * greedy continuations of the committed prompts identical in f32;
-  * the server's tokenizer gives the committed prompt ids."""
+  * the server's tokenizer gives the committed prompt ids;
+  * 20 turns of `qkvctl chat` run without an error (drop_oldest keeps the chat inside the context)."""
 import glob
 import json
 import math
@@ -15,7 +16,7 @@ import unittest
 
 import numpy as np
 
-from harness import ROOT, Server, pb
+from harness import BIN, ROOT, Server, pb
 
 MODEL = sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf")))
 EVAL = MODEL[0][:-len(".gguf")] + ".eval" if MODEL else None
@@ -92,6 +93,24 @@ class BundledModelTest(unittest.TestCase):
             rel8 = (ppl8 - ppl) / ppl
             print(f"int8 KV: qkvserve perplexity {ppl8:.4f}, bf16 KV {ppl:.4f}, relative difference {rel8:+.2e}")
             self.assertLess(abs(rel8), 1e-2)
+        finally:
+            s.stop()
+
+    def test_chat_keeps_going(self):
+        """The README's chat: 20 turns of `qkvctl chat` on the bundled model (256-token context, replies up
+        to 128 tokens) run without an error; the oldest history is dropped as the context fills."""
+        import subprocess
+        s = self.serve()
+        try:
+            lines = "".join(f"And the LORD spake unto Moses, saying {i}\n" for i in range(20))
+            r = subprocess.run([os.path.join(BIN, "qkvctl"), "--addr", s.addr, "chat", "--temperature", "0",
+                                "--system", "Thou art a scribe."], input=lines, capture_output=True, text=True,
+                               timeout=600)
+            self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+            summaries = [l for l in r.stderr.splitlines() if "generated" in l and "prompt" in l]
+            self.assertEqual(len(summaries), 20, r.stderr[-2000:])
+            self.assertTrue(any("dropped" in l for l in summaries), summaries)
+            self.assertNotIn("INVALID_ARGUMENT", r.stderr)
         finally:
             s.stop()
 

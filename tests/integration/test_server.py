@@ -226,6 +226,40 @@ class ServerTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("SERVING", r.stdout)
 
+    def test_overflow_policy_over_grpc(self):
+        """OVERFLOW_DROP_OLDEST per session, per request and through UpdateSession; usage and the session
+        report what was dropped; the default stays an INVALID_ARGUMENT that names the way out."""
+        st = self.stub
+        D = pb.ContextOverflow.OVERFLOW_DROP_OLDEST
+        s = st.CreateSession(pb.CreateSessionRequest(session_id="ovf", initial_token_ids=list(range(1, 201))))
+        self.assertEqual(s.overflow.policy, pb.ContextOverflow.OVERFLOW_ERROR)
+        req = greedy(token_ids=pb.TokenIds(ids=list(range(300, 340))), session_id="ovf", max_tokens=20, ignore_eos=True)
+        code, details = self.code(st.Complete, req)
+        self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("drop_oldest", details)
+        req.overflow.policy = D
+        r = st.Complete(req)
+        self.assertEqual(r.usage.dropped_tokens, 16)  # 200 + 40 + 20 - 256 = 4 over: one block
+        self.assertEqual(r.usage.prompt_tokens, 200 - 16 + 40)
+        s = st.UpdateSession(pb.UpdateSessionRequest(session_id="ovf", overflow=pb.ContextOverflow(policy=D, keep_tokens=8)))
+        self.assertEqual((s.overflow.policy, s.overflow.keep_tokens, s.dropped_tokens), (D, 8, 16))
+        before = list(st.GetSession(pb.GetSessionRequest(session_id="ovf", include_token_ids=True)).token_ids)
+        r = st.Complete(greedy(token_ids=pb.TokenIds(ids=list(range(400, 440))), session_id="ovf", max_tokens=20,
+                               ignore_eos=True))
+        d = r.usage.dropped_tokens
+        self.assertGreater(d, 0)
+        after = list(st.GetSession(pb.GetSessionRequest(session_id="ovf", include_token_ids=True)).token_ids)
+        self.assertEqual(after[:8], before[:8])
+        self.assertEqual(after[8:len(before) - d], before[8 + d:])
+        code, details = self.code(st.UpdateSession, pb.UpdateSessionRequest(
+            session_id="ovf", overflow=pb.ContextOverflow(policy=D, keep_tokens=-1)))
+        self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("overflow.keep_tokens", details)
+        code, details = self.code(st.Complete, greedy(text="x", max_tokens=2, overflow=pb.ContextOverflow(policy=D)))
+        self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("session_id", details)
+        st.CloseSession(pb.CloseSessionRequest(session_id="ovf"))
+
     def test_qkvctl(self):
         import json
         import subprocess
