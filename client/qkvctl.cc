@@ -190,9 +190,11 @@ int Stream(const Common& c, pb::Inference::Stub& stub, const pb::GenerateRequest
     std::cout << "\n" << std::flush;  // before the summary on stderr, also when piped
     const std::string dropped =
         usage.dropped_tokens() ? ", " + std::to_string(usage.dropped_tokens()) + " tokens of history dropped" : "";
-    std::fprintf(stderr, "[%s%s%s; prompt %d tokens (%d cached), %d generated%s]\n", finish.c_str(),
-                 stop_reason.empty() ? "" : ": ", stop_reason.c_str(), usage.prompt_tokens(), usage.cached_tokens(),
-                 usage.completion_tokens(), dropped.c_str());
+    // The stop reason quoted as JSON: a stop string may be a newline.
+    const std::string why =
+        stop_reason.empty() ? "" : ": " + json(stop_reason).dump(-1, ' ', false, json::error_handler_t::replace);
+    std::fprintf(stderr, "[%s%s; prompt %d tokens (%d cached), %d generated%s]\n", finish.c_str(), why.c_str(),
+                 usage.prompt_tokens(), usage.cached_tokens(), usage.completion_tokens(), dropped.c_str());
   }
   return 0;
 }
@@ -266,9 +268,17 @@ int GenerateCmd(const Common& c, pb::Inference::Stub& stub, const GenOpts& g) {
 
 // Each turn asks for drop_oldest, so that the chat keeps going past the context: the oldest history goes
 // (whole KV blocks), except the first turn's prompt when it carries a system message on a session of our
-// own. Replies stop at EOS, at --stop strings, or after -n tokens (default 128).
+// own. Replies stop at EOS, at --stop strings (default: those the model file declares), or after -n tokens
+// (default 128).
 int ChatCmd(const Common& c, pb::Inference::Stub& stub, GenOpts chat_g, const std::string& system_prompt) {
   if (chat_g.max_tokens <= 0) chat_g.max_tokens = 128;
+  if (chat_g.stop.empty()) {  // the model file's chat stop strings (GetModelInfo.chat_stop)
+    grpc::ClientContext ctx;
+    Prepare(c, ctx, "");
+    pb::ModelInfo info;
+    if (int rc = Report(stub.GetModelInfo(&ctx, pb::GetModelInfoRequest(), &info))) return rc;
+    chat_g.stop.assign(info.chat_stop().begin(), info.chat_stop().end());
+  }
   int keep = 0;
   bool own = chat_g.session.empty();
   if (own) {
@@ -417,7 +427,8 @@ int InfoCmd(const Common& c, pb::Inference::Stub& stub) {
             {"compute_dtype", m.compute_dtype()},
             {"gemm", m.gemm()},
             {"instance_id", m.instance_id()},
-            {"chat_template", m.chat_template()}};
+            {"chat_template", m.chat_template()},
+            {"chat_stop", std::vector<std::string>(m.chat_stop().begin(), m.chat_stop().end())}};
   if (c.json_out) {
     std::cout << j.dump() << "\n";
   } else {

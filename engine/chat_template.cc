@@ -1,5 +1,7 @@
 #include "engine/chat_template.h"
 
+#include "engine/utf8.h"
+
 namespace qkv {
 
 const char* ChatTemplateName(ChatTemplateKind k) {
@@ -62,6 +64,22 @@ StatusOr<std::vector<int>> ApplyChatTemplate(ChatTemplateKind k, const Tokenizer
     case ChatTemplateKind::kChatMl: markup("<|im_start|>assistant\n"); break;
     case ChatTemplateKind::kLlama3: markup("<|start_header_id|>assistant<|end_header_id|>\n\n"); break;
     case ChatTemplateKind::kPlain: content("Assistant:"); break;
+  }
+  return out;
+}
+
+StatusOr<std::vector<std::string>> ChatStopStrings(const GgufFile& f) {
+  const GgufValue* v = f.Find(kKeyChatStop);
+  if (!v) return std::vector<std::string>{};
+  const std::string bad =
+      std::string("gguf: '") + kKeyChatStop + "' must be an array of 1 to 16 strings of 1..64 bytes of UTF-8";
+  if (v->type != GgufType::kArray || v->array_type != GgufType::kString || v->array.empty() || v->array.size() > 16) {
+    return DataLoss(bad);
+  }
+  std::vector<std::string> out;
+  for (const GgufValue& e : v->array) {
+    if (e.s.empty() || e.s.size() > 64 || !IsValidUtf8(e.s)) return DataLoss(bad);
+    out.push_back(e.s);
   }
   return out;
 }

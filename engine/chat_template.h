@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/gguf.h"
 #include "engine/status.h"
 #include "engine/tokenizer.h"
 
@@ -16,6 +17,12 @@ const char* ChatTemplateName(ChatTemplateKind k);
 StatusOr<ChatTemplateKind> ParseChatTemplate(const std::string& name);
 // Picks the built-in template that matches a model's `tokenizer.chat_template` text (plain if none).
 ChatTemplateKind DetectChatTemplate(const std::string& jinja);
+
+// The stop strings a model file declares for chat replies (GGUF key `qkvserve.chat.stop`, an array of
+// strings; absent: none). Clients such as `qkvctl chat` use them by default (GetModelInfo.chat_stop); the
+// bundled model declares the end of a verse. Each must be 1..64 bytes of UTF-8, at most 16 of them.
+inline constexpr const char* kKeyChatStop = "qkvserve.chat.stop";
+StatusOr<std::vector<std::string>> ChatStopStrings(const GgufFile& f);
 
 struct ChatMessageIn {
   std::string role;

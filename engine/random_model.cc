@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "engine/chat_template.h"
 #include "engine/quantize.h"
 #include "engine/rng.h"
 #include "engine/tokenizer.h"
@@ -14,6 +15,7 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
   GgufWriter w;
   cfg.ToGguf(w);
   w.SetString("general.name", std::string("qkvserve random ") + ArchName(cfg.arch));
+  if (!opt.chat_stop.empty()) w.SetStringArray(kKeyChatStop, opt.chat_stop);
   std::optional<QuantTypePlan> plan;
   if (!opt.preset.empty()) {
     const std::optional<QuantPreset> p = FindQuantPreset(opt.preset);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "engine/gguf.h"
 #include "engine/model_config.h"
@@ -14,6 +15,7 @@ struct RandomModelOptions {
   GgmlType dtype = GgmlType::kF32;  // of the 2-D weights; norms, biases and sinks stay f32
   uint64_t seed = 0;
   std::string preset;  // a llama-quantize preset ("Q4_K_M"): types per tensor as it chooses them (dtype unused)
+  std::vector<std::string> chat_stop;  // written as qkvserve.chat.stop when not empty
 };
 
 // Tensor names follow llama.cpp (token_embd, blk.N.attn_q/k/v/output, attn_q_norm/attn_k_norm,

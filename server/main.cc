@@ -330,6 +330,12 @@ qkv::StatusOr<qkv::ChatTemplateKind> ChatTemplateFor(const Flags& f, const std::
   return qkv::DetectChatTemplate(jinja);
 }
 
+// The chat stop strings the model file declares (qkvserve.chat.stop).
+qkv::StatusOr<std::vector<std::string>> ChatStopFor(const std::string& model) {
+  QKV_ASSIGN_OR_RETURN(auto g, qkv::GgufFile::Open(model));
+  return qkv::ChatStopStrings(*g);
+}
+
 // Builds and starts the gRPC server (TLS if configured); *port gets the port it listens on.
 // The largest request message gRPC accepts: room for the largest valid request (a prompt of
 // --max-prompt-bytes with stop strings, or token ids filling the context at 5 bytes each) and no more, so
@@ -406,6 +412,8 @@ int main(int argc, char** argv) {
   qkv::Model& m = **loaded;
   auto tmpl = ChatTemplateFor(f, f.model);
   if (!tmpl.ok()) return Fail(tmpl.status().message());
+  auto chat_stop = ChatStopFor(f.model);
+  if (!chat_stop.ok()) return Fail(chat_stop.status().ToString());
   const auto& kvs = m.cache_layout().tokens;
   spdlog::info(
       "model {}: {}; weights {:.1f} MB; KV {} per token ({}), capacity {} blocks = {} tokens = {:.1f} MiB = "
@@ -434,6 +442,7 @@ int main(int argc, char** argv) {
   so.api_keys = keys;
   so.instance_id = f.instance_id;
   so.chat_template = *tmpl;
+  so.chat_stop = *chat_stop;
   so.model_name = std::filesystem::path(f.model).stem().string();
   so.limits = f.limits;
   qkv::server::InferenceService service(**engine, so);

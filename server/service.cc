@@ -618,6 +618,7 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_eos_token_id(m.tokenizer().eos_id());
   resp->set_bos_token_id(m.tokenizer().bos_id());
   resp->set_chat_template(ChatTemplateName(opt_.chat_template));
+  for (const std::string& st : opt_.chat_stop) resp->add_chat_stop(st);
   return Done(ctx, grpc::Status::OK);
 }
 

@@ -17,6 +17,7 @@ struct ServiceOptions {
   std::set<std::string> api_keys;  // empty: no authentication
   std::string instance_id;
   ChatTemplateKind chat_template = ChatTemplateKind::kPlain;
+  std::vector<std::string> chat_stop;  // the model file's qkvserve.chat.stop
   std::string model_name;
   RequestLimits limits;
 };

@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <random>
 
+#include "engine/chat_template.h"
 #include "engine/model.h"
 #include "engine/random_model.h"
 #include "engine/tokenizer.h"
@@ -51,6 +53,35 @@ TEST(Gguf, RoundTripsMetadataAndTensors) {
   EXPECT_NEAR(back[2], 3.5f, 0.02f);
   EXPECT_FALSE((*f)->GetInt("missing").ok());
   EXPECT_EQ((*f)->GetString("a.u32").status().code(), StatusCode::kInvalidArgument);
+}
+
+// qkvserve.chat.stop: absent is none; an array of 1..16 strings of 1..64 bytes of UTF-8, else a clear error.
+TEST(Gguf, ChatStopStrings) {
+  auto parse = [](const std::function<void(GgufWriter&)>& set) {
+    GgufWriter w;
+    set(w);
+    const auto bytes = w.Serialize();
+    auto f = GgufFile::Parse(bytes);
+    EXPECT_TRUE(f.ok());
+    return ChatStopStrings(**f);
+  };
+  EXPECT_TRUE(parse([](GgufWriter&) {})->empty());
+  EXPECT_EQ(*parse([](GgufWriter& w) {
+    w.SetStringArray(kKeyChatStop, {"\n", "Amen"});
+  }),
+            (std::vector<std::string>{"\n", "Amen"}));
+  for (const auto& bad : std::vector<std::function<void(GgufWriter&)>>{
+           [](GgufWriter& w) { w.SetString(kKeyChatStop, "\n"); },
+           [](GgufWriter& w) { w.SetStringArray(kKeyChatStop, {}); },
+           [](GgufWriter& w) { w.SetStringArray(kKeyChatStop, {""}); },
+           [](GgufWriter& w) { w.SetStringArray(kKeyChatStop, {std::string(65, 'x')}); },
+           [](GgufWriter& w) { w.SetStringArray(kKeyChatStop, {"\xff"}); },
+           [](GgufWriter& w) { w.SetStringArray(kKeyChatStop, std::vector<std::string>(17, "x")); },
+           [](GgufWriter& w) { w.SetI32Array(kKeyChatStop, {1}); }}) {
+    auto r = parse(bad);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("qkvserve.chat.stop"), std::string::npos) << r.status().message();
+  }
 }
 
 TEST(Gguf, RejectsBadMagicVersionAndTruncation) {
@@ -176,7 +207,7 @@ TEST(Gguf, FuzzedFilesNeverCrash) {
   ModelConfig qcfg = testing::SmallConfig(Arch::kQwen2);
   qcfg.hidden = 256, qcfg.ffn = 256, qcfg.head_dim = 32, qcfg.rotary_dim = 32;
   const std::string qpath = testing::TempDir() + "/fuzz_src_q4_k_m.gguf";
-  ASSERT_TRUE(WriteRandomModel(qcfg, {GgmlType::kF32, 1, "Q4_K_M"}, qpath).ok());
+  ASSERT_TRUE(WriteRandomModel(qcfg, {GgmlType::kF32, 1, "Q4_K_M", {}}, qpath).ok());
   for (const std::string& path : {testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "fuzz_src"), qpath}) {
     const std::vector<uint8_t> good = ReadAll(path);
     ASSERT_GT(good.size(), 1000u);

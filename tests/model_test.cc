@@ -183,7 +183,7 @@ TEST_P(ModelArchTest, QuantizedWeightsKeepTheSameBits) {
     ModelConfig cfg = testing::SmallConfig(GetParam());
     if (std::string(preset) == "Q4_K_M") cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
     const std::string path = ::testing::TempDir() + "/quant_" + preset + "_" + ArchName(GetParam()) + ".gguf";
-    ASSERT_TRUE(WriteRandomModel(cfg, {GgmlType::kF32, 1, preset}, path).ok());
+    ASSERT_TRUE(WriteRandomModel(cfg, {GgmlType::kF32, 1, preset, {}}, path).ok());
     auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
     ASSERT_TRUE(m);
     EXPECT_NE(m->weights_summary().find("(quantized)"), std::string::npos) << m->weights_summary();

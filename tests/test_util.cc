@@ -42,7 +42,7 @@ ModelConfig SmallConfig(Arch arch) {
 
 std::string WriteModel(const ModelConfig& cfg, const std::string& name, uint64_t seed, GgmlType dtype) {
   const std::string path = TempDir() + "/" + name + ".gguf";
-  const Status s = WriteRandomModel(cfg, {dtype, seed, ""}, path);
+  const Status s = WriteRandomModel(cfg, {dtype, seed, "", {}}, path);
   EXPECT_TRUE(s.ok()) << s.ToString();
   return path;
 }

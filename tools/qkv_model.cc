@@ -43,7 +43,7 @@ qkv::StatusOr<qkv::GgmlType> ParseGgmlType(const std::string& s) {
 }
 
 int Random(const std::string& config_path, const std::string& out, const std::string& arch_s,
-           const std::string& dtype_s, uint64_t seed) {
+           const std::string& dtype_s, uint64_t seed, const std::vector<std::string>& chat_stop) {
   std::ifstream in(config_path);
   if (!in) return Fail(qkv::NotFound("cannot read --config '" + config_path + "'"));
   std::stringstream ss;
@@ -54,6 +54,7 @@ int Random(const std::string& config_path, const std::string& out, const std::st
   if (!cfg.ok()) return Fail(cfg.status());
   qkv::RandomModelOptions ro;
   ro.seed = seed;
+  ro.chat_stop = chat_stop;
   if (qkv::FindQuantPreset(dtype_s)) {
     ro.preset = dtype_s;
   } else {
@@ -230,6 +231,8 @@ int main(int argc, char** argv) {
                    "iq4_xs (rows that are not whole blocks take llama-quantize's fallback type)")
       ->capture_default_str();
   random->add_option("--seed", seed, "random seed")->capture_default_str();
+  std::vector<std::string> chat_stop;
+  random->add_option("--chat-stop", chat_stop, "a chat stop string to declare (qkvserve.chat.stop; repeatable)");
   auto* info =
       app.add_subcommand("info", "print a model's config, parameter count, weight bytes and KV bytes per token");
   std::string model;
@@ -277,7 +280,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (plan->parsed()) return PlanMain(plan_config, plan_memory, plan_context, plan_dtype, plan_json);
-  if (random->parsed()) return Random(config, out, arch, dtype, seed);
+  if (random->parsed()) return Random(config, out, arch, dtype, seed, chat_stop);
   if (quantize->parsed()) return Quantize(q_in, q_out, q_type, q_threads, q_quiet);
   if (dequant->parsed()) return Dequant(dq_model, dq_tensor, dq_out);
   if (tokenize->parsed()) return Tokenize(tok_model, tok_json, decode, parse_special, add_special);

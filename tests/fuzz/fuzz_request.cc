@@ -43,7 +43,7 @@ World& TheWorld() {
     c.qk_norm = true;
     const char* tmp = std::getenv("TMPDIR");
     const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/qkv_fuzz_request.gguf";
-    Check(qkv::WriteRandomModel(c, {qkv::GgmlType::kF32, 1, ""}, path).ok(), "cannot write the model");
+    Check(qkv::WriteRandomModel(c, {qkv::GgmlType::kF32, 1, "", {}}, path).ok(), "cannot write the model");
     qkv::ModelOptions mo;
     mo.weights_dtype = qkv::DType::kF32;
     mo.kv_dtype = qkv::DType::kF32;

@@ -32,7 +32,7 @@ from qkv_health import health_pb2, health_pb2_grpc  # noqa: E402
 TMP = tempfile.mkdtemp(prefix="qkvint")
 
 
-def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3):
+def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3, chat_stop=()):
     path = os.path.join(TMP, name + ".gguf")
     if not os.path.exists(path):
         cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -41,7 +41,8 @@ def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3):
         with open(cpath, "w") as f:
             json.dump(cfg, f)
         subprocess.run([os.path.join(BIN, "qkv-model"), "random", "--config", cpath, "--out", path, "--arch", arch,
-                        "--seed", str(seed)], check=True, stdout=subprocess.DEVNULL)
+                        "--seed", str(seed), *[a for st in chat_stop for a in ("--chat-stop", st)]], check=True,
+                       stdout=subprocess.DEVNULL)
     return path
 
 

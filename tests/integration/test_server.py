@@ -260,6 +260,25 @@ class ServerTest(unittest.TestCase):
         self.assertIn("session_id", details)
         st.CloseSession(pb.CloseSessionRequest(session_id="ovf"))
 
+    def test_chat_stop_strings_from_the_model_file(self):
+        """A model file's qkvserve.chat.stop reaches GetModelInfo, and `qkvctl chat` ends replies there."""
+        import subprocess
+        s = Server(model=make_model("chatstop", chat_stop=["\n", " "]))  # random text has many spaces
+        try:
+            self.assertEqual(list(s.stub.GetModelInfo(pb.GetModelInfoRequest()).chat_stop), ["\n", " "])
+            self.assertEqual(list(self.stub.GetModelInfo(pb.GetModelInfoRequest()).chat_stop), [])
+            r = subprocess.run([os.path.join(BIN, "qkvctl"), "--addr", s.addr, "chat", "--temperature", "1",
+                                "--seed", "3", "-n", "200"], input="hello\nagain\nonce more\n", capture_output=True,
+                               text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            ends = [l[l.index("["):] for l in r.stderr.splitlines() if "generated" in l]  # after the "> " prompt
+            self.assertEqual(len(ends), 3, r.stderr)
+            for line in ends:  # each reply ended at a declared stop string or at the limit
+                self.assertTrue(line.startswith(('[stop: "\\n"', '[stop: " "', "[length", '[stop: "eos"')), line)
+            self.assertTrue(any(l.startswith("[stop") for l in ends), ends)
+        finally:
+            s.stop()
+
     def test_qkvctl(self):
         import json
         import subprocess

@@ -239,6 +239,7 @@ def write_gguf(path, model, tokens, merges):
     kv.append(("tokenizer.ggml.merges", "strarr", merges))
     u32("tokenizer.ggml.bos_token_id", len(tokens) - 1); u32("tokenizer.ggml.eos_token_id", len(tokens) - 1)
     b("tokenizer.ggml.add_bos_token", False)
+    kv.append(("qkvserve.chat.stop", "strarr", ["\n"]))  # one verse per line: a chat reply ends with its verse
 
     tensors = []
     def t(name, w, bf16):
