@@ -280,6 +280,13 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
                                " tokens even with all other history dropped");
       }
       drop = std::min((over + B - 1) / B * B, history - keep);
+      // A chat session drops whole turns: up to the first turn that starts at or after keep + over.
+      for (int t : session->turn_starts) {
+        if (t >= keep + over && t <= history) {
+          drop = t - keep;
+          break;
+        }
+      }
       history -= drop;
       ctx_len -= drop;
       max_tokens = want;
@@ -311,10 +318,17 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
       s->n_dropped = static_cast<int>(drop);
       s->drop_keep = static_cast<int>(keep);
       s->tokens_before_drop = session->ctx.tokens;
+      s->turn_starts_before_drop = session->turn_starts;
       std::vector<int> rest(session->ctx.tokens.begin() + keep + drop, session->ctx.tokens.end());
       scheduler_.Truncate(session->ctx, static_cast<int>(keep));
       session->ctx.tokens.insert(session->ctx.tokens.end(), rest.begin(), rest.end());
       session->dropped_tokens += drop;
+      std::vector<int> starts;  // turns inside the kept prefix stay; dropped ones go; later ones move
+      for (int t : session->turn_starts) {
+        if (t < keep) starts.push_back(t);
+        if (t >= keep + drop) starts.push_back(static_cast<int>(t - drop));
+      }
+      session->turn_starts = std::move(starts);
     }
     s->session = session;
     s->session_tokens_before = session->ctx.tokens;
@@ -381,9 +395,12 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
         scheduler_.Truncate(s->ctx, s->drop_keep);
         s->ctx.tokens = std::move(s->tokens_before_drop);
         ss->dropped_tokens -= s->n_dropped;
+        ss->turn_starts = std::move(s->turn_starts_before_drop);
       } else {
         scheduler_.Truncate(s->ctx, static_cast<int>(s->session_tokens_before.size()));
       }
+    } else if (s->params.from_messages) {
+      ss->turn_starts.push_back(static_cast<int>(s->session_tokens_before.size()));  // where this turn began
     }
     ss->ctx = std::move(s->ctx);
     ss->busy = false;
@@ -752,6 +769,7 @@ StatusOr<SessionInfo> Engine::DoForkSession(const std::string& ns, const std::st
   s->priority = p->priority;
   s->overflow = p->overflow;
   s->dropped_tokens = p->dropped_tokens;
+  s->turn_starts = p->turn_starts;
   return AddSession(std::move(s));
 }
 
@@ -773,6 +791,7 @@ StatusOr<SessionInfo> Engine::DoTruncateSession(const std::string& ns, const std
                            " (the session's length)");
   }
   scheduler_.Truncate(s->ctx, n_tokens);
+  std::erase_if(s->turn_starts, [n_tokens](int t) { return t >= n_tokens; });
   Touch(*s);
   return Info(*s, false);
 }

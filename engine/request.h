@@ -46,8 +46,9 @@ struct GenerateParams {
   int logprobs = 0;            // top alternatives per generated token (0: none)
   bool want_logprobs = false;  // the chosen token's logprob (implied by logprobs > 0)
   bool prompt_logprobs = false;
-  int priority = 0;          // higher runs first and is preempted last
-  ContextOverflow overflow;  // with a session: overrides the session's policy for this request
+  int priority = 0;            // higher runs first and is preempted last
+  ContextOverflow overflow;    // with a session: overrides the session's policy for this request
+  bool from_messages = false;  // the prompt is a chat turn (messages through a template): drop_oldest drops whole turns
 };
 
 struct TokenLogprob {

@@ -37,6 +37,9 @@ struct Session {
   Clock::time_point expires_at;  // last_used + ttl, while queued in the engine's expiry order
   bool expiry_queued = false;
   ContextOverflow overflow{OverflowPolicy::kError, 0};
+  // Where each chat turn (a request fed by messages) began in ctx.tokens, ascending: drop_oldest drops whole
+  // turns when it can.
+  std::vector<int> turn_starts;
   int64_t dropped_tokens = 0;  // history dropped by drop_oldest over the session's life
   bool busy = false;           // a request is running on it
   // The running turn while busy: the context (and its blocks) are with it until it finishes.
@@ -65,6 +68,7 @@ struct Sequence {
   int n_dropped = 0;
   int drop_keep = 0;
   std::vector<int> tokens_before_drop;
+  std::vector<int> turn_starts_before_drop;
   std::vector<float> prompt_logprobs;
   bool prompt_logprobs_sent = false;
   Clock::time_point submitted, first_scheduled, first_token, last_token;

@@ -411,6 +411,7 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
       }
       QKV_ASSIGN_OR_RETURN(p.prompt,
                            ApplyChatTemplate(opt_.chat_template, tok, msgs, !req.has_session_id() && tok.add_bos()));
+      p.from_messages = true;
       break;
     }
     default: return InvalidArgument("one of text, token_ids or messages is required");

@@ -278,6 +278,44 @@ TEST_P(EngineTest, DropOldestKeepsThePrefixAndAnswersAsFresh) {
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
+// A chat (turns fed by messages) drops whole turns: what remains after the kept prefix starts with the
+// prompt of an earlier turn; a truncation forgets the turns it cut.
+TEST_P(EngineTest, DropOldestDropsWholeTurnsOfAChat) {
+  Start();
+  const int keep = 6;
+  ASSERT_TRUE(engine_->CreateSession("", "m", 0, 0, Prompt(keep, 9), {OverflowPolicy::kDropOldest, keep}).ok());
+  std::vector<std::vector<int>> prompts;
+  int drops = 0;
+  for (int turn = 0; turn < 12; ++turn) {
+    auto before = engine_->GetSession("", "m", true);
+    ASSERT_TRUE(before.ok());
+    prompts.push_back(Prompt(20 + 7 * (turn % 4), 40 + turn));
+    GenerateParams p = Greedy(prompts.back(), 24, "m");
+    p.from_messages = true;
+    const Result r = Run(p);
+    ASSERT_EQ(r.final.finish, FinishReason::kLength);
+    const int d = r.final.usage.dropped_tokens;
+    if (d == 0) continue;
+    ++drops;
+    const auto at = before->tokens.begin() + keep + d;
+    bool on_a_turn = false;
+    for (const auto& q : prompts)
+      on_a_turn |= before->tokens.end() - at >= static_cast<long>(q.size()) && std::equal(q.begin(), q.end(), at);
+    EXPECT_TRUE(on_a_turn) << "turn " << turn << " dropped " << d << " tokens, not up to a turn's start";
+    std::vector<int> full(before->tokens.begin(), before->tokens.begin() + keep);
+    full.insert(full.end(), at, before->tokens.end());
+    full.insert(full.end(), prompts.back().begin(), prompts.back().end());
+    EXPECT_EQ(r.tokens, Run(Greedy(full, 24)).tokens) << "turn " << turn;
+  }
+  EXPECT_GE(drops, 3);
+  ASSERT_TRUE(engine_->TruncateSession("", "m", keep + 3).ok());  // inside a turn: the rest is forgotten
+  GenerateParams p = Greedy(Prompt(210, 77), 40, "m");
+  p.from_messages = true;
+  const Result r = Run(p);                     // 9 + 210 + 40 = 259 > 256: no turn boundary left, so a block, capped
+  EXPECT_EQ(r.final.usage.dropped_tokens, 3);  // all that may go (keep 6 of 9)
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
 // The policy: error by default (the message points at drop_oldest), per request, changeable, validated.
 TEST_P(EngineTest, OverflowPolicyPerSessionAndPerRequest) {
   Start();
