@@ -269,7 +269,12 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   // the reply limit (asked, or the server's default) fit. Planned here, applied once every check passed.
   int64_t drop = 0, keep = 0;
   if (overflow.policy == OverflowPolicy::kDropOldest) {
-    const int64_t want = max_tokens == -1 ? opt_.default_max_tokens : max_tokens;
+    // No max_tokens: the server's default, capped by what fits beside the kept prefix and the prompt.
+    const int64_t want =
+        max_tokens == -1
+            ? std::min<int64_t>(opt_.default_max_tokens, max_ctx - std::min<int64_t>(overflow.keep_tokens, history) -
+                                                             static_cast<int64_t>(p.prompt.size()))
+            : max_tokens;
     const int64_t over = ctx_len + want - max_ctx;
     if (over > 0 && want >= 1) {
       keep = std::min<int64_t>(overflow.keep_tokens, history);

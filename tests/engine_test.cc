@@ -332,6 +332,10 @@ TEST_P(EngineTest, OverflowPolicyPerSessionAndPerRequest) {
   ASSERT_TRUE(up.ok());
   EXPECT_EQ(up->overflow.keep_tokens, 5);
   EXPECT_EQ(Run(Greedy(Prompt(40, 3), 20, "e")).final.finish, FinishReason::kLength);
+  // No max_tokens: the default (256, the whole context here) is capped by what fits beside keep + prompt.
+  const Result dflt = Run(Greedy(Prompt(40, 5), -1, "e"));
+  EXPECT_EQ(dflt.final.finish, FinishReason::kLength);
+  EXPECT_EQ(dflt.final.usage.completion_tokens, 256 - 5 - 40);
   // Validation: keep + prompt + max_tokens must fit; drop_oldest needs a session; keep_tokens >= 0.
   ASSERT_TRUE(engine_->UpdateSession("", "e", {OverflowPolicy::kDropOldest, 230}).ok());
   auto big = engine_->Submit(Greedy(Prompt(20, 4), 20, "e"));
