@@ -48,7 +48,8 @@ class InferenceService final : public qkvserve::v1::Inference::CallbackService {
   grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* ctx, const qkvserve::v1::ForkSessionRequest* req,
                                         qkvserve::v1::Session* resp) override;
   grpc::ServerUnaryReactor* UpdateSession(grpc::CallbackServerContext* ctx,
-                                          const qkvserve::v1::UpdateSessionRequest* req, qkvserve::v1::Session* resp);
+                                          const qkvserve::v1::UpdateSessionRequest* req,
+                                          qkvserve::v1::Session* resp) override;
   grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* ctx,
                                             const qkvserve::v1::TruncateSessionRequest* req,
                                             qkvserve::v1::Session* resp) override;
