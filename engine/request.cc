@@ -2,15 +2,6 @@
 
 namespace qkv {
 
-const char* OverflowPolicyName(OverflowPolicy p) {
-  switch (p) {
-    case OverflowPolicy::kUnspecified: return "unspecified";
-    case OverflowPolicy::kError: return "error";
-    case OverflowPolicy::kDropOldest: return "drop_oldest";
-  }
-  return "?";
-}
-
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
     case FinishReason::kNone: return "";

@@ -30,7 +30,6 @@ struct ContextOverflow {
   OverflowPolicy policy = OverflowPolicy::kUnspecified;
   int keep_tokens = 0;  // kDropOldest: leading tokens never dropped (a system prompt)
 };
-const char* OverflowPolicyName(OverflowPolicy p);
 
 struct GenerateParams {
   std::string ns;           // isolation namespace (the API key); sessions and prefixes never cross it

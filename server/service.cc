@@ -85,8 +85,7 @@ StatusOr<ContextOverflow> ToOverflow(const pb::ContextOverflow& o) {
     case pb::ContextOverflow::OVERFLOW_DROP_OLDEST: c.policy = OverflowPolicy::kDropOldest; break;
     default: return InvalidArgument("overflow.policy " + std::to_string(o.policy()) + " is not a known policy");
   }
-  if (o.keep_tokens() < 0) return InvalidArgument("overflow.keep_tokens must be at least 0");
-  c.keep_tokens = o.keep_tokens();
+  c.keep_tokens = o.keep_tokens();  // the engine checks its range
   return c;
 }
 
