@@ -110,10 +110,10 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     int64_t budget = opt.kv_cache_bytes;
     if (budget == ModelOptions::kAutoKvBytes) {
       const int64_t avail = MemAvailableBytes();
-      // A quarter of what is available after the weights, at most 8 GiB, and no more than 1,024 full
+      // A quarter of what is available after the weights, at most 8 GiB, and no more than 256 full
       // contexts (a small model needs far less than a quarter of the machine).
       budget = std::min<int64_t>({std::max<int64_t>(avail - static_cast<int64_t>(m->weight_bytes_), 0) / 4, 8ll << 30,
-                                  1024ll * m->max_ctx_ * ks.bytes_per_token()});
+                                  256ll * m->max_ctx_ * ks.bytes_per_token()});
     }
     ks.n_blocks = std::max(budget / ks.bytes_per_block(), ctx_blocks);
   } else {

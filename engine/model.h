@@ -35,7 +35,7 @@ struct ModelOptions {
   int block_size = 16;
   // KV arena size, in order of precedence: kv_blocks if > 0; else kv_cache_bytes if > 0; else, if
   // kv_cache_bytes == kAutoKvBytes, a quarter of MemAvailable (after the weights) capped at 8 GiB and at
-  // 1,024 full contexts; else
+  // 256 full contexts; else
   // (0) enough for one sequence of max_context. Never less than one full context.
   int64_t kv_blocks = 0;
   int64_t kv_cache_bytes = 0;
