@@ -246,10 +246,27 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   Session* session = nullptr;
   if (!p.session_id.empty()) {
     session = FindSession(p.ns, p.session_id);
+    if (!session && p.prompt_is_context) {
+      QKV_RETURN_IF_ERROR(DoCreateSession(p.ns, p.session_id, p.create_ttl_s, 0, {}, {}).status());
+      session = FindSession(p.ns, p.session_id);
+    }
     if (!session) return NotFound("session '" + p.session_id + "' not found");
     if (session->busy) {
       return FailedPrecondition("session '" + p.session_id +
                                 "' is busy with another request; wait for it or cancel it");
+    }
+    if (p.prompt_is_context) {
+      // Keep what the history and the prompt share; one prompt token at least stays to be computed.
+      const std::vector<int>& h = session->ctx.tokens;
+      size_t common = 0;
+      while (common < h.size() && common < p.prompt.size() && h[common] == p.prompt[common]) ++common;
+      if (common == p.prompt.size()) --common;
+      if (common < h.size()) {
+        const int n = static_cast<int>(common);
+        scheduler_.Truncate(session->ctx, n);
+        std::erase_if(session->turn_starts, [n](int t) { return t >= n; });
+      }
+      p.prompt.erase(p.prompt.begin(), p.prompt.begin() + static_cast<std::ptrdiff_t>(common));
     }
   }
   // The context-overflow policy: the request's, else the session's.
@@ -420,6 +437,7 @@ void Engine::Finish(Sequence* s, FinishReason reason, const std::string& stop_re
     case FinishReason::kCancelled: ++counters_.finished_cancelled; break;
     default: ++counters_.finished_error; break;
   }
+  ++counters_.finished_by_front[{s->params.front.empty() ? "other" : s->params.front, FinishReasonName(reason)}];
   counters_.prompt_tokens += s->n_prompt;
   counters_.cached_prompt_tokens += s->n_cached;
   counters_.generated_tokens += s->n_generated;

@@ -103,6 +103,8 @@ struct EngineStats {
   uint64_t session_evictions_memory = 0, session_evictions_ttl = 0, session_evictions_closed = 0;
   uint64_t prefix_queries_tokens = 0, prefix_hits_tokens = 0;
   uint64_t finished_stop = 0, finished_length = 0, finished_cancelled = 0, finished_error = 0;
+  // Finished requests by the transport that submitted them (GenerateParams::front; "" as "other") and reason.
+  std::map<std::pair<std::string, std::string>, uint64_t> finished_by_front;
   uint64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   uint64_t steps = 0;
   Histogram ttft{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};

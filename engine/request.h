@@ -48,6 +48,13 @@ struct GenerateParams {
   int priority = 0;            // higher runs first and is preempted last
   ContextOverflow overflow;    // with a session: overrides the session's policy for this request
   bool from_messages = false;  // the prompt is a chat turn (messages through a template): drop_oldest drops whole turns
+  // OpenAI-style clients resend the whole conversation each turn. With a session and prompt_is_context, the
+  // prompt is the whole context: the engine keeps the longest common prefix of the session's history and
+  // the prompt (leaving at least one prompt token to compute), truncates the history after it and appends
+  // the rest of the prompt. A session that does not exist is created (TTL create_ttl_s, default policy).
+  bool prompt_is_context = false;
+  double create_ttl_s = 0;
+  std::string front;  // the transport that submitted it ("grpc", "http"), for metrics
 };
 
 struct TokenLogprob {

@@ -5,12 +5,17 @@
 namespace qkv {
 namespace {
 
+constexpr std::string_view kOverLimit = ") exceeds the server's limit of ";
+
 Status TooMuch(std::string_view what, int64_t got, int64_t limit, std::string_view flag) {
-  return ResourceExhausted(std::string(what) + " (" + std::to_string(got) + ") exceeds the server's limit of " +
+  return ResourceExhausted(std::string(what) + " (" + std::to_string(got) + std::string(kOverLimit) +
                            std::to_string(limit) + " (" + std::string(flag) + ")");
 }
-
 }  // namespace
+
+bool IsOverLimit(const Status& s) {
+  return s.code() == StatusCode::kResourceExhausted && s.message().find(kOverLimit) != std::string::npos;
+}
 
 Status CheckId(std::string_view field, std::string_view id) {
   if (id.empty() || id.size() > RequestLimits::kMaxIdLength) {

@@ -36,6 +36,9 @@ Status CheckMessageCount(const RequestLimits& l, int64_t n);
 // too many stop strings is refused without reading them.
 Status CheckStopCount(const RequestLimits& l, int64_t n_stops, int64_t n_stop_token_ids);
 Status CheckStopBytes(const RequestLimits& l, int64_t bytes);
+// Whether a status is one of these limits' refusals (a request too large, as opposed to a full queue or
+// quota): the HTTP front answers 413 for these and 429 for other RESOURCE_EXHAUSTED.
+bool IsOverLimit(const Status& s);
 template <typename Strings>
 Status CheckStops(const RequestLimits& l, const Strings& stops, int64_t n_stop_token_ids) {
   QKV_RETURN_IF_ERROR(CheckStopCount(l, static_cast<int64_t>(stops.size()), n_stop_token_ids));

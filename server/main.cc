@@ -21,6 +21,7 @@
 
 #include "engine/capacity_plan.h"
 #include "server/api_keys.h"
+#include "server/http.h"
 #include "server/metrics.h"
 #include "server/service.h"
 
@@ -116,14 +117,11 @@ void Warmup(qkv::Engine& engine) {
 // {"grpc": ADDR, "metrics": ADDR, "pid": N, "instance_id": ID}, written whole (rename) so readers never see
 // half a file.
 void WriteReadyFile(const std::string& path, const std::string& grpc_addr, const std::string& metrics_addr,
-                    const std::string& instance_id) {
+                    const std::string& http_addr, const std::string& instance_id) {
   const std::string tmp = path + ".tmp";
-  std::ofstream(tmp) << nlohmann::json{{"grpc", grpc_addr},
-                                       {"metrics", metrics_addr},
-                                       {"pid", getpid()},
-                                       {"instance_id", instance_id}}
-                            .dump()
-                     << "\n";
+  nlohmann::json j{{"grpc", grpc_addr}, {"metrics", metrics_addr}, {"pid", getpid()}, {"instance_id", instance_id}};
+  j["http"] = http_addr.empty() ? nlohmann::json(nullptr) : nlohmann::json(http_addr);
+  std::ofstream(tmp) << j.dump() << "\n";
   std::filesystem::rename(tmp, path);
 }
 
@@ -179,6 +177,9 @@ struct Flags {
   std::string model, tokenizer_file, listen = "127.0.0.1:50051", metrics_listen = "127.0.0.1:9464", ready_file;
   std::string weights_dtype = "auto", kv_dtype = "bf16", kv_bytes, api_keys_file, tls_cert, tls_key;
   std::string log_level = "info", chat_template, instance_id;
+  std::string http_listen = "127.0.0.1:8000";
+  int http_threads = 16;
+  double http_session_ttl = 3600;
   int threads = 0, block_size = 16, max_batched = 512, max_seqs = 64, max_model_len = 0, default_max_tokens = 256;
   int max_waiting = 1024;
   double drain_grace = 30;
@@ -201,7 +202,20 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--metrics-listen", f.metrics_listen, "Prometheus /metrics address; port 0 picks a free port")
       ->capture_default_str()
       ->envname("QKVSERVE_METRICS_LISTEN");
-  app.add_option("--ready-file", f.ready_file, "write {\"grpc\": ADDR, \"metrics\": ADDR, \"pid\": N} here once ready");
+  app.add_option("--http-listen", f.http_listen,
+                 "OpenAI-style HTTP API address (docs/http.md); port 0 picks a free port; empty turns it off")
+      ->capture_default_str()
+      ->envname("QKVSERVE_HTTP_LISTEN");
+  app.add_option("--http-threads", f.http_threads,
+                 "HTTP requests served at once (an open stream holds one); more wait in the connection queue")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--http-session-ttl-seconds", f.http_session_ttl,
+                 "idle time after which a session created by an HTTP x-session-id header expires (0: never)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 315360000.0));
+  app.add_option("--ready-file", f.ready_file,
+                 "write {\"grpc\": ADDR, \"metrics\": ADDR, \"http\": ADDR or null, \"pid\": N} here once ready");
   app.add_option("--threads", f.threads, "compute threads (default: the number of cores)");
   app.add_option("--weights-dtype", f.weights_dtype,
                  "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
@@ -211,7 +225,7 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->capture_default_str();
   app.add_option("--kv-cache-bytes", f.kv_bytes,
                  "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 "
-                 "GiB and 1024 full contexts)");
+                 "GiB and 256 full contexts)");
   app.add_option("--block-size", f.block_size, "tokens per KV block")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
@@ -417,10 +431,11 @@ int main(int argc, char** argv) {
   const auto& kvs = m.cache_layout().tokens;
   spdlog::info(
       "model {}: {}; weights {:.1f} MB; KV {} per token ({}), capacity {} blocks = {} tokens = {:.1f} MiB = "
-      "{} sessions of 4k tokens",
+      "{} full contexts of {} tokens",
       std::filesystem::path(f.model).filename().string(), m.config().Summary(), m.weight_bytes() / 1e6,
       kvs.bytes_per_token(), qkv::DTypeName(kvs.dtype), kvs.n_blocks, kvs.n_blocks * kvs.block_size,
-      m.cache_layout().token_bytes() / 1048576.0, kvs.n_blocks * kvs.block_size / 4096);
+      m.cache_layout().token_bytes() / 1048576.0,
+      kvs.n_blocks * kvs.block_size / std::max<int64_t>(1, m.config().context_length), m.config().context_length);
 
   qkv::EngineOptions eo;
   eo.max_num_batched_tokens = f.max_batched;
@@ -455,6 +470,21 @@ int main(int argc, char** argv) {
   health->SetServingStatus("", true);
   health->SetServingStatus(kService, false);
 
+  std::unique_ptr<qkv::server::HttpServer> http;
+  if (!f.http_listen.empty()) {
+    qkv::server::HttpOptions ho;
+    ho.listen = f.http_listen;
+    ho.threads = f.http_threads;
+    ho.tls_cert = f.tls_cert;
+    ho.tls_key = f.tls_key;
+    ho.session_ttl_s = f.http_session_ttl;
+    // JSON escapes a byte in at most 6 (\u00XX): room for the largest prompt, stop strings and token ids.
+    ho.max_body_bytes = 6 * int64_t{max_request_bytes};
+    auto started = qkv::server::HttpServer::Start(ho, service);
+    if (!started.ok()) return Fail(started.status().message());
+    http = std::move(*started);
+  }
+
   auto metrics = qkv::server::MetricsServer::Start(f.metrics_listen, **engine, so.model_name,
                                                    f.debug_accounting ? engine->get() : nullptr);
   if (!metrics.ok()) return Fail(metrics.status().message());
@@ -463,8 +493,10 @@ int main(int argc, char** argv) {
   health->SetServingStatus(kService, true);
   const std::string grpc_addr = WithPort(f.listen, port);
   const std::string metrics_addr = WithPort(f.metrics_listen, (*metrics)->port());
-  spdlog::info("ready: gRPC on {}, metrics on http://{}/metrics, instance {}", grpc_addr, metrics_addr, f.instance_id);
-  if (!f.ready_file.empty()) WriteReadyFile(f.ready_file, grpc_addr, metrics_addr, f.instance_id);
+  const std::string http_addr = http ? WithPort(f.http_listen, http->port()) : "";
+  spdlog::info("ready: gRPC on {}, metrics on http://{}/metrics, HTTP API {}, instance {}", grpc_addr, metrics_addr,
+               http ? (http->tls() ? "on https://" : "on http://") + http_addr : std::string("off"), f.instance_id);
+  if (!f.ready_file.empty()) WriteReadyFile(f.ready_file, grpc_addr, metrics_addr, http_addr, f.instance_id);
 
   signals.SetServing();
   auto watchdog = std::make_unique<LivenessWatchdog>(**engine, *health, f.liveness_timeout);
@@ -477,6 +509,7 @@ int main(int argc, char** argv) {
   (*engine)->Shutdown();  // cancels whatever is still running
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   (*server)->Wait();
+  http.reset();  // waits for its handlers, which end with the engine's requests
   // Dependency order: the metrics exposer reads the engine, so it stops first.
   metrics->reset();
   engine->reset();

@@ -112,6 +112,18 @@ class EngineCollectable final : public prometheus::Collectable {
              {"cancelled", d(s.finished_cancelled)},
              {"error", d(s.finished_error)}},
             "reason");
+    {
+      MetricFamily f =
+          Family("qkvserve_requests_by_front_total",
+                 "finished requests by the front that took them (grpc, http) and reason", MetricType::Counter);
+      for (const char* front : {"grpc", "http"}) {  // both fronts always present, so rates start at zero
+        for (const char* reason : {"stop", "length", "cancelled", "error"}) {
+          auto it = s.finished_by_front.find({front, reason});
+          Add(f, it == s.finished_by_front.end() ? 0.0 : d(it->second), {{"front", front}, {"reason", reason}});
+        }
+      }
+      out.push_back(std::move(f));
+    }
     counter("qkvserve_prompt_tokens_total", "prompt tokens processed (whole context)", {{"", d(s.prompt_tokens)}});
     counter("qkvserve_cached_prompt_tokens_total", "prompt tokens reused without recompute",
             {{"", d(s.cached_prompt_tokens)}});

@@ -357,8 +357,14 @@ StatusOr<std::string> InferenceService::Authenticate(grpc::CallbackServerContext
   if (opt_.api_keys.empty()) return std::string();
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) return Status(StatusCode::kUnauthenticated, "missing 'authorization: Bearer <key>' metadata");
-  const std::string v(it->second.data(), it->second.size());
+  if (it == md.end()) return AuthenticateHeader(nullptr);
+  return AuthenticateHeader(std::string(it->second.data(), it->second.size()).c_str());
+}
+
+StatusOr<std::string> InferenceService::AuthenticateHeader(const char* authorization) const {
+  if (opt_.api_keys.empty()) return std::string();
+  if (!authorization) return Status(StatusCode::kUnauthenticated, "missing 'authorization: Bearer <key>' metadata");
+  const std::string v(authorization);
   const std::string prefix = "Bearer ";
   if (v.compare(0, prefix.size(), prefix) != 0) {
     return Status(StatusCode::kUnauthenticated, "authorization must be 'Bearer <key>'");
@@ -372,6 +378,7 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
   if (draining_) return Status(StatusCode::kUnavailable, "the server is draining; retry on another replica");
   GenerateParams p;
   p.ns = ns;
+  p.front = "grpc";
   const Tokenizer& tok = engine_.model().tokenizer();
   const RequestLimits& lim = opt_.limits;
   // Sizes first: nothing proportional to the input (tokenization, the engine's stop scans) runs before.

@@ -66,6 +66,9 @@ class InferenceService final : public qkvserve::v1::Inference::CallbackService {
 
   // Shared with the reactors.
   StatusOr<std::string> Authenticate(grpc::CallbackServerContext* ctx) const;
+  // The same check on an `authorization` header's value (nullptr: absent); returns the key (namespace).
+  StatusOr<std::string> AuthenticateHeader(const char* authorization) const;
+  const ServiceOptions& options() const { return opt_; }
   StatusOr<GenerateParams> ToParams(const qkvserve::v1::GenerateRequest& req, const std::string& ns);
   Engine& engine() { return engine_; }
   bool draining() const { return draining_; }

@@ -63,12 +63,15 @@ nginx = shutil.which("nginx") or "/usr/sbin/nginx"
 if os.path.exists(nginx):
     tmp = tempfile.mkdtemp()
     with open(os.path.join(D, "nginx", "nginx.conf")) as f:
-        conf = f.read().replace("qkvserve-0:50051", "127.0.0.1:50051").replace("qkvserve-1:50051", "127.0.0.1:50052")
+        conf = f.read()
+    for host, addr in [("qkvserve-0:50051", "127.0.0.1:50051"), ("qkvserve-1:50051", "127.0.0.1:50052"),
+                       ("qkvserve-0:8000", "127.0.0.1:8001"), ("qkvserve-1:8000", "127.0.0.1:8002")]:
+        conf = conf.replace(host, addr)
     conf = conf.replace("worker_processes 1;", f"worker_processes 1;\npid {tmp}/nginx.pid;\nerror_log {tmp}/error.log;")
     with open(os.path.join(tmp, "nginx.conf"), "w") as f:
         f.write(conf)
     r = subprocess.run([nginx, "-t", "-c", os.path.join(tmp, "nginx.conf"), "-p", tmp], capture_output=True, text=True)
-    check(r.returncode == 0, "nginx -t: " + r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "nginx -t")
+    check(r.returncode == 0, "nginx -t" + (": " + r.stderr.strip() if r.returncode else ""))
 else:
     check(False, "nginx is installed")
 if shutil.which("docker-compose"):

@@ -27,7 +27,7 @@ fi
 echo "$out" | tail -n 1
 port=$(python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])')
 mport=$(python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])')
-cid=$(docker run -d --network host -e QKVSERVE_LISTEN=127.0.0.1:$port -e QKVSERVE_METRICS_LISTEN=127.0.0.1:$mport \
+cid=$(docker run -d --network host -e QKVSERVE_LISTEN=127.0.0.1:$port -e QKVSERVE_METRICS_LISTEN=127.0.0.1:$mport -e QKVSERVE_HTTP_LISTEN=127.0.0.1:0 \
       qkvserve:latest --kv-cache-bytes 64MiB --threads 1)
 fail() { echo "FAIL: $*"; docker logs "$cid" 2>&1 | tail -n 20; exit 1; }
 for _ in $(seq 120); do
@@ -56,7 +56,7 @@ limit=$(sed -n 's/.*limits: {memory: "\([0-9]*\)Mi"}.*/\1/p' deploy/k8s/deployme
 [ -n "$limit" ] || fail "no memory limit found in deploy/k8s/deployment.yaml"
 kv=$(sed -n 's/^ *kv-cache-bytes = *//p' deploy/k8s/configmap.yaml)
 cid=$(docker run -d --network host --memory "${limit}m" --memory-swap "${limit}m" \
-      -e QKVSERVE_LISTEN=127.0.0.1:$port -e QKVSERVE_METRICS_LISTEN=127.0.0.1:$mport \
+      -e QKVSERVE_LISTEN=127.0.0.1:$port -e QKVSERVE_METRICS_LISTEN=127.0.0.1:$mport -e QKVSERVE_HTTP_LISTEN=127.0.0.1:0 \
       qkvserve:latest --kv-cache-bytes "$kv" --threads 2 --max-sessions-per-key 2000)
 for _ in $(seq 120); do
   docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference >/dev/null 2>&1 && break

@@ -7,7 +7,7 @@ PKGS=(
   libdnnl-dev ocl-icd-opencl-dev opencl-c-headers
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev
-  prometheus-cpp-dev libcli11-dev nlohmann-json3-dev libpcre2-dev
+  prometheus-cpp-dev libcivetweb-dev libssl-dev libcli11-dev nlohmann-json3-dev libpcre2-dev
   python3 python3-numpy python3-torch python3-grpcio python3-protobuf python3-regex libopenblas0-openmp curl
   bible-kjv prometheus nginx python3-yaml docker-compose openssl
 )

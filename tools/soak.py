@@ -114,7 +114,8 @@ def main():
     tmp = tempfile.mkdtemp(prefix="qkvsoak")
     ready = os.path.join(tmp, "ready")
     cmd = [os.path.join(args.bin, "qkvserve"), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-           "--ready-file", ready, "--threads", str(args.threads), "--kv-cache-bytes", args.kv_cache_bytes]
+           "--http-listen", "127.0.0.1:0", "--ready-file", ready, "--threads", str(args.threads),
+           "--kv-cache-bytes", args.kv_cache_bytes]
     if args.model:
         cmd += ["--model", args.model]
     log = open(os.path.join(tmp, "server.log"), "w")

@@ -46,6 +46,33 @@ def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3, chat_stop
     return path
 
 
+def self_signed_cert(name):
+    """A key and a self-signed certificate for localhost/127.0.0.1 in TMP/name; returns (key, cert) paths."""
+    d = os.path.join(TMP, name)
+    os.makedirs(d, exist_ok=True)
+    key, cert = os.path.join(d, "key.pem"), os.path.join(d, "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+def node_script(cache, packages, marker, script):
+    """Copies tests/integration/SCRIPT into the npm directory CACHE, installing PACKAGES there first unless
+    node_modules/MARKER exists; returns the copy's path. Fails the caller when node or npm is missing."""
+    import shutil
+    if not shutil.which("node") or not shutil.which("npm"):
+        raise AssertionError(f"node and npm are needed for {script}")
+    if not os.path.isdir(os.path.join(cache, "node_modules", marker)):
+        os.makedirs(cache, exist_ok=True)
+        subprocess.run(["npm", "init", "-y"], cwd=cache, check=True, capture_output=True)
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", *packages], cwd=cache, check=True,
+                       capture_output=True, timeout=600)
+    path = os.path.join(cache, script)
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), script), path)
+    return path
+
+
 def scrape_metrics(addr):
     """{'name{labels}': value} of a /metrics scrape."""
     text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
@@ -67,6 +94,7 @@ class Server:
         model_args = [] if model == "" else ["--model", model or make_model()]
         defaults = [] if "--threads" in args else ["--threads", "1"]
         defaults += [] if "--kv-cache-bytes" in args else ["--kv-cache-bytes", "8MiB"]
+        defaults += [] if "--http-listen" in args else ["--http-listen", "127.0.0.1:0"]
         cmd = [os.path.join(BIN, "qkvserve"), *model_args, "--listen", "127.0.0.1:0",
                "--metrics-listen", "127.0.0.1:0", "--ready-file", self.ready_path, *defaults, *args]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **(env or {}))
@@ -82,7 +110,7 @@ class Server:
             time.sleep(0.05)
         with open(self.ready_path) as f:
             info = json.load(f)
-        self.addr, self.metrics_addr = info["grpc"], info["metrics"]
+        self.addr, self.metrics_addr, self.http_addr = info["grpc"], info["metrics"], info.get("http")
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = rpc.InferenceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -102,9 +130,14 @@ class Server:
         return self.metrics()['qkvserve_kv_cache_blocks{state="used"}']
 
     def wait_used_blocks(self, n, timeout=10):
+        return self.wait_metric('qkvserve_kv_cache_blocks{state="used"}', n, timeout)
+
+    def wait_metric(self, name, value, timeout=10):
+        """True once the scraped NAME equals VALUE (the engine publishes its figures at the end of a step, so
+        a reply can reach the client just before the counters that count it reach /metrics)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.used_blocks() == n:
+            if self.metrics().get(name) == value:
                 return True
             time.sleep(0.05)
         return False

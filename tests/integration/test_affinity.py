@@ -26,11 +26,14 @@ def free_port():
     return p
 
 
-def nginx_conf(backends, port, prefix):
+def nginx_conf(backends, port, prefix, http_backends=("127.0.0.1:1", "127.0.0.1:2"), http_port=None):
     with open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")) as f:
         conf = f.read()
     conf = conf.replace("server qkvserve-0:50051;", f"server {backends[0]};").replace("server qkvserve-1:50051;", f"server {backends[1]};")
     conf = conf.replace("listen 8080 http2;", f"listen 127.0.0.1:{port} http2;")
+    conf = conf.replace("server qkvserve-0:8000;", f"server {http_backends[0]};")
+    conf = conf.replace("server qkvserve-1:8000;", f"server {http_backends[1]};")
+    conf = conf.replace("listen 8000;", f"listen 127.0.0.1:{http_port or free_port()};")
     conf = conf.replace("worker_processes 1;", f"worker_processes 1;\npid {prefix}/nginx.pid;\nerror_log {prefix}/error.log;\ndaemon off;")
     conf = conf.replace("http {", f"http {{\n  access_log off;\n  client_body_temp_path {prefix};\n  proxy_temp_path {prefix};\n"
                         f"  fastcgi_temp_path {prefix};\n  uwsgi_temp_path {prefix};\n  scgi_temp_path {prefix};")
@@ -82,6 +85,57 @@ class AffinityTest(unittest.TestCase):
                 self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
             self.assertEqual(set(owners.values()), {"replica-a", "replica-b"})
             ch.close()
+        finally:
+            ng.terminate()
+            ng.wait(10)
+            a.stop()
+            b.stop()
+
+
+    def test_http_sessions_through_nginx(self):
+        """The same over the OpenAI-style HTTP API: nginx's HTTP upstream hashes x-session-id too."""
+        import json
+        import urllib.request
+        a, b = Server("--instance-id", "replica-a"), Server("--instance-id", "replica-b")
+        prefix = tempfile.mkdtemp(dir=TMP)
+        port, hport = free_port(), free_port()
+        conf = nginx_conf([a.addr, b.addr], port, prefix, [a.http_addr, b.http_addr], hport)
+        ng = subprocess.Popen([NGINX, "-c", conf, "-p", prefix], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            def chat(sid, messages):
+                req = urllib.request.Request(f"http://127.0.0.1:{hport}/v1/chat/completions",
+                                             data=json.dumps({"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                              "ignore_eos": True}).encode(),
+                                             headers={"Content-Type": "application/json", "x-session-id": sid})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.headers["x-qkvserve-instance"], json.loads(r.read())
+            deadline = time.time() + 30
+            while True:  # nginx starts in the background
+                try:
+                    chat("warm", [{"role": "user", "content": "x"}])
+                    break
+                except OSError:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.2)
+            owners = {}
+            for i in range(20):
+                sid = f"http{i}"
+                msgs = [{"role": "user", "content": f"first turn of {sid}"}]
+                for turn in range(3):
+                    inst, j = chat(sid, msgs)
+                    owners.setdefault(sid, inst)
+                    self.assertEqual(inst, owners[sid])
+                    if turn > 0:
+                        self.assertGreater(j["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+                    msgs += [{"role": "assistant", "content": j["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": f"turn {turn + 1}"}]
+                mine, other = (a, b) if owners[sid] == "replica-a" else (b, a)
+                self.assertGreater(mine.stub.GetSession(pb.GetSessionRequest(session_id=sid)).num_tokens, 0)
+                with self.assertRaises(grpc.RpcError) as cm:
+                    other.stub.GetSession(pb.GetSessionRequest(session_id=sid))
+                self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+            self.assertEqual(set(owners.values()), {"replica-a", "replica-b"})
         finally:
             ng.terminate()
             ng.wait(10)

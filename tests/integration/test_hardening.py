@@ -278,7 +278,7 @@ class ProcessLifeTest(unittest.TestCase):
             d = tempfile.mkdtemp()
             ready = os.path.join(d, "ready")
             p = subprocess.Popen([os.path.join(BIN, "qkvserve"), "--model", make_model(), "--listen", "127.0.0.1:0",
-                                  "--metrics-listen", "127.0.0.1:0", "--threads", "1", "--ready-file", ready],
+                                  "--metrics-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--threads", "1", "--ready-file", ready],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  env=dict(os.environ, **env))
             import time
@@ -317,7 +317,7 @@ class ProcessLifeTest(unittest.TestCase):
         model = make_model()
         for delay in (0.0, 0.02, 0.05):
             p = subprocess.Popen([os.path.join(BIN, "qkvserve"), "--model", model, "--listen", "127.0.0.1:0",
-                                  "--metrics-listen", "127.0.0.1:0", "--threads", "1", "--kv-cache-bytes", "8MiB"],
+                                  "--metrics-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--threads", "1", "--kv-cache-bytes", "8MiB"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(delay)
             p.send_signal(signal.SIGTERM)

@@ -4,14 +4,13 @@ processes. The Python client here is also the "foreign client" check (Debian's p
 import concurrent.futures
 import os
 import signal
-import socket
-import threading
 import time
 import unittest
 
 import grpc
 
-from harness import BIN, TMP, Server, collect, greedy, health_pb2, make_model, pb
+from harness import (BIN, TMP, Server, collect, greedy, health_pb2, make_model, node_script, pb,
+                     self_signed_cert)
 
 INFER = "qkvserve.v1.Inference"
 
@@ -385,18 +384,9 @@ class NodeClientTest(unittest.TestCase):
     """@grpc/grpc-js + @grpc/proto-loader from npm, installed into a cache directory on first use."""
 
     def test_node_client(self):
-        import shutil
         import subprocess
-        if not shutil.which("node") or not shutil.which("npm"):
-            self.fail("node and npm are needed for the foreign-client test")
-        cache = os.environ.get("QKV_NODE_CACHE", "/tmp/qkv-node-grpc")
-        if not os.path.isdir(os.path.join(cache, "node_modules", "@grpc", "grpc-js")):
-            os.makedirs(cache, exist_ok=True)
-            subprocess.run(["npm", "init", "-y"], cwd=cache, check=True, capture_output=True)
-            subprocess.run(["npm", "install", "--no-audit", "--no-fund", "@grpc/grpc-js@1", "@grpc/proto-loader@0.7"],
-                           cwd=cache, check=True, capture_output=True, timeout=600)
-        script = os.path.join(cache, "node_client.mjs")
-        shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_client.mjs"), script)
+        script = node_script(os.environ.get("QKV_NODE_CACHE", "/tmp/qkv-node-grpc"),
+                             ["@grpc/grpc-js@1", "@grpc/proto-loader@0.7"], "@grpc/grpc-js", "node_client.mjs")
         s = Server()
         try:
             from harness import ROOT
@@ -409,13 +399,7 @@ class NodeClientTest(unittest.TestCase):
 
 class TlsTest(unittest.TestCase):
     def test_tls(self):
-        import subprocess
-        d = os.path.join(TMP, "tls")
-        os.makedirs(d, exist_ok=True)
-        key, cert = os.path.join(d, "key.pem"), os.path.join(d, "cert.pem")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                        "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                       check=True, capture_output=True)
+        key, cert = self_signed_cert("tls")
         s = Server("--tls-cert", cert, "--tls-key", key)
         try:
             with open(cert, "rb") as f:
