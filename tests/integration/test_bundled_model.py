@@ -97,12 +97,15 @@ class BundledModelTest(unittest.TestCase):
             s.stop()
 
     def test_chat_keeps_going(self):
-        """The README's chat: 20 turns of `qkvctl chat` on the bundled model (256-token context, replies up
-        to 128 tokens) run without an error; the oldest history is dropped as the context fills."""
+        """The README's chat: 20 turns of `qkvctl chat` on the bundled model (1,024-token context, replies
+        up to 128 tokens, lines of ~40 tokens) run without an error; the oldest history is dropped as the context
+        fills."""
         import subprocess
         s = self.serve()
         try:
-            lines = "".join(f"And the LORD spake unto Moses, saying {i}\n" for i in range(20))
+            lines = "".join(f"And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto "
+                            f"them, When any man of you bring an offering unto the LORD of the cattle {i}\n"
+                            for i in range(20))
             r = subprocess.run([os.path.join(BIN, "qkvctl"), "--addr", s.addr, "chat", "--temperature", "0",
                                 "--system", "Thou art a scribe."], input=lines, capture_output=True, text=True,
                                timeout=600)

@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
 """Trains qkvserve's bundled default model: a small qwen3-architecture decoder on the King James Bible.
 
-Deterministic (fixed seeds, one thread). Steps:
+Deterministic (fixed seeds, a fixed number of threads: --threads, default 2). Steps:
   1. corpus: `bible -f Gen1:1-Rev22:21` (Debian's bible-kjv), verse references stripped, one verse a line;
      held-out split: every chapter whose running index is 19 mod 20 (5%); the rest trains.
   2. tokenizer: byte-level BPE learned here from the training split, GPT-2 pre-tokenizer, 4,096 tokens
      (256 bytes, 3,839 merges, "<|endoftext|>").
   3. model: qwen3 as llama.cpp defines it (GQA, RoPE on halves, RMSNorm, q/k RMSNorm, SwiGLU, tied
-     embeddings), trained with AdamW on 256-token windows.
+     embeddings), trained with AdamW on windows of 256 tokens, then (the last --long-frac of the steps) of
+     the full 1,024-token context, at the same number of tokens per step.
   4. export: GGUF with the tokenizer embedded (2-D weights bf16, norms f32).
   5. evaluation, from the weights read back from the GGUF (tests/reference/gguf_ref.py, float64):
      per-token log-probabilities of the held-out evaluation windows and greedy continuations, written for
      the CI test that compares qkvserve against them.
-Usage: /usr/bin/python3 tools/train/train.py --out models/  [--steps N]
+Usage: /usr/bin/python3 tools/train/train.py --out models/  [--steps N] [--threads N]
 """
 import argparse
 import collections
@@ -35,7 +36,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 VOCAB = 4096
 EOT = "<|endoftext|>"
-CFG = dict(hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, ffn=768, ctx=256, theta=10000.0, eps=1e-6)
+CFG = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, ctx=1024, theta=10000.0, eps=1e-6)
+SHORT_CTX = 256  # most steps train on 256-token windows (cheap attention); the last ones on the full context
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -295,13 +297,15 @@ def write_gguf(path, model, tokens, merges):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "models"))
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--long-frac", type=float, default=0.15)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-windows", type=int, default=48)
     args = ap.parse_args()
     torch.manual_seed(1234)
     np.random.seed(1234)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     t0 = time.time()
     train_text, test_text = load_corpus()
     tokens, merges = train_bpe(train_text, VOCAB)
@@ -315,14 +319,24 @@ def main():
     model = Model(c, len(tokens))
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    T = c["ctx"]
+    long_from = args.steps - int(round(args.steps * args.long_frac))
+    # Held-out loss during training (the first 8 evaluation windows of the full context; it chooses nothing).
+    mon = torch.tensor([test_ids[w * (c["ctx"] - 1):(w + 1) * (c["ctx"] - 1)] for w in range(8)])
+
+    def monitor():
+        with torch.no_grad():
+            logits = model(mon[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, len(tokens)), mon[:, 1:].reshape(-1)).item()
+
+    curve = []
     rng = np.random.default_rng(1234)
     t1 = time.time()
     for step in range(args.steps):
         lr = 3e-3 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = rng.integers(0, len(train_ids) - T - 1, size=args.batch)
+        T = c["ctx"] if step >= long_from else SHORT_CTX
+        starts = rng.integers(0, len(train_ids) - T - 1, size=args.batch_tokens // T)
         x = torch.from_numpy(np.stack([train_ids[s:s + T] for s in starts]))
         y = torch.from_numpy(np.stack([train_ids[s + 1:s + T + 1] for s in starts]))
         loss = F.cross_entropy(model(x).view(-1, len(tokens)), y.view(-1))
@@ -330,8 +344,11 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step} loss {loss.item():.3f} lr {lr:.2e} ({time.time() - t1:.0f}s)", flush=True)
+        if step % 250 == 0 or step == args.steps - 1:
+            h = monitor()
+            curve.append({"step": step, "train_loss": loss.item(), "heldout_loss": h})
+            print(f"step {step} ctx {T} loss {loss.item():.3f} held-out {h:.3f} lr {lr:.2e} ({time.time() - t1:.0f}s)",
+                  flush=True)
     train_s = time.time() - t1
 
     os.makedirs(args.out, exist_ok=True)
@@ -344,21 +361,24 @@ def main():
     ref = Reference(gguf)
     # Protocol: non-overlapping windows of L = context - 1 tokens from the start of the held-out text (a
     # served request needs room for at least one generated token), no BOS; in each window every token but
-    # the first is scored given the window's tokens before it.
+    # the first is scored given the window's tokens before it. Also reported over windows of 255 tokens, the
+    # protocol of the first bundled model (context 256), for comparison.
+    def score(L, W):
+        ids = test_ids[:W * L]
+        out = []
+        for w in range(W):
+            win = ids[w * L:(w + 1) * L]
+            lsm = torch.log_softmax(ref.logits(win), -1)
+            out.append(lsm[torch.arange(L - 1), torch.tensor(win[1:])].numpy())
+        return ids, np.concatenate(out)
+
     W = args.eval_windows
-    L = T - 1
-    eval_ids = test_ids[:W * L]
-    lps = []
-    total = 0.0
-    for w in range(W):
-        win = eval_ids[w * L:(w + 1) * L]
-        logits = ref.logits(win)
-        lsm = torch.log_softmax(logits, -1)
-        lp = lsm[torch.arange(L - 1), torch.tensor(win[1:])].numpy()
-        lps.append(lp)
-        total += float(lp.sum())
-    lps = np.concatenate(lps)
+    L = c["ctx"] - 1
+    eval_ids, lps = score(L, W)
+    total = float(lps.astype(np.float64).sum())
     ppl = math.exp(-total / len(lps))
+    _, lps255 = score(255, W)
+    ppl255 = math.exp(-float(lps255.astype(np.float64).sum()) / len(lps255))
     prompts = ["And God said,", "In the beginning", "Blessed are the"]
     greedy = []
     for p in prompts:
@@ -377,10 +397,14 @@ def main():
     lps.astype("<f4").tofile(os.path.join(evald, "heldout_logprobs.f32"))
     with open(os.path.join(evald, "greedy.json"), "w") as f:
         json.dump(greedy, f, indent=1)
-    summary = {"parameters": n_params, "steps": args.steps, "batch": args.batch, "context": T, "eval_window": L,
+    summary = {"parameters": n_params, "steps": args.steps, "batch_tokens": args.batch_tokens,
+               "short_context": SHORT_CTX, "long_from_step": long_from, "threads": args.threads,
+               "context": c["ctx"], "eval_window": L,
                "train_tokens": int(len(train_ids)),
                "heldout_tokens": len(test_ids), "eval_windows": W, "eval_targets": int(len(lps)),
-               "heldout_loss": -total / len(lps), "heldout_perplexity": ppl, "train_seconds": train_s,
+               "heldout_loss": -total / len(lps), "heldout_perplexity": ppl,
+               "heldout_perplexity_255": ppl255, "eval_targets_255": int(len(lps255)), "train_seconds": train_s,
+               "total_seconds": time.time() - t0, "curve": curve,
                "final_train_loss": float(loss.item()), "gguf_bytes": os.path.getsize(gguf)}
     with open(os.path.join(evald, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
