@@ -2,24 +2,28 @@
 
 namespace qkv {
 
-std::string Status::ToString() const {
-  const char* name = "UNKNOWN";
-  switch (code_) {
+const char* Status::CodeName(StatusCode code) {
+  switch (code) {
     case StatusCode::kOk: return "OK";
-    case StatusCode::kCancelled: name = "CANCELLED"; break;
-    case StatusCode::kInvalidArgument: name = "INVALID_ARGUMENT"; break;
-    case StatusCode::kNotFound: name = "NOT_FOUND"; break;
-    case StatusCode::kAlreadyExists: name = "ALREADY_EXISTS"; break;
-    case StatusCode::kResourceExhausted: name = "RESOURCE_EXHAUSTED"; break;
-    case StatusCode::kFailedPrecondition: name = "FAILED_PRECONDITION"; break;
-    case StatusCode::kOutOfRange: name = "OUT_OF_RANGE"; break;
-    case StatusCode::kUnimplemented: name = "UNIMPLEMENTED"; break;
-    case StatusCode::kInternal: name = "INTERNAL"; break;
-    case StatusCode::kUnavailable: name = "UNAVAILABLE"; break;
-    case StatusCode::kDataLoss: name = "DATA_LOSS"; break;
-    case StatusCode::kUnauthenticated: name = "UNAUTHENTICATED"; break;
+    case StatusCode::kCancelled: return "CANCELLED";
+    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case StatusCode::kNotFound: return "NOT_FOUND";
+    case StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
+    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    case StatusCode::kOutOfRange: return "OUT_OF_RANGE";
+    case StatusCode::kUnimplemented: return "UNIMPLEMENTED";
+    case StatusCode::kInternal: return "INTERNAL";
+    case StatusCode::kUnavailable: return "UNAVAILABLE";
+    case StatusCode::kDataLoss: return "DATA_LOSS";
+    case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
   }
-  return std::string(name) + ": " + message_;
+  return "UNKNOWN";
+}
+
+std::string Status::ToString() const {
+  if (ok()) return "OK";
+  return std::string(CodeName(code_)) + ": " + message_;
 }
 
 }  // namespace qkv

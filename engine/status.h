@@ -36,6 +36,8 @@ class Status {
   const std::string& message() const { return message_; }
   // "INVALID_ARGUMENT: message", for logs and tools.
   std::string ToString() const;
+  // The code's canonical name, "INVALID_ARGUMENT" (gRPC's spelling).
+  static const char* CodeName(StatusCode code);
 
  private:
   StatusCode code_ = StatusCode::kOk;

@@ -27,24 +27,6 @@ using json = nlohmann::json;
 namespace {
 
 // ----------------------------------------------------------------------------- errors
-const char* StatusName(StatusCode c) {
-  switch (c) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kCancelled: return "CANCELLED";
-    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case StatusCode::kNotFound: return "NOT_FOUND";
-    case StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
-    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
-    case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
-    case StatusCode::kOutOfRange: return "OUT_OF_RANGE";
-    case StatusCode::kUnimplemented: return "UNIMPLEMENTED";
-    case StatusCode::kInternal: return "INTERNAL";
-    case StatusCode::kUnavailable: return "UNAVAILABLE";
-    case StatusCode::kDataLoss: return "DATA_LOSS";
-    case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
-  }
-  return "UNKNOWN";
-}
 
 // The HTTP status and OpenAI error type of an engine/service status (docs/http.md has the table).
 struct HttpStatus {
@@ -72,7 +54,7 @@ json ErrorJson(const Status& s, const HttpStatus& h, const std::string& param, c
   json e = {{"message", s.message()},
             {"type", h.type},
             {"param", nullptr},
-            {"code", code.empty() ? StatusName(s.code()) : code}};
+            {"code", code.empty() ? Status::CodeName(s.code()) : code}};
   if (!param.empty()) e["param"] = param;
   return json{{"error", e}};
 }
