@@ -891,6 +891,10 @@ void Engine::PublishStats() {
   published_ = s;
 }
 
+int64_t Engine::RequestsInFlight() {
+  return Call<int64_t>([this] { return static_cast<int64_t>(seqs_.size()); });
+}
+
 EngineStats Engine::Stats() const {
   std::lock_guard<std::mutex> l(stats_mu_);
   return published_;

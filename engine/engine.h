@@ -161,8 +161,13 @@ class Engine {
   void CloseSession(const std::string& ns, const std::string& id, Done<Status> done);
   Status CloseSession(const std::string& ns, const std::string& id);
 
-  // The snapshot published after the last step (never takes the engine's lock).
+  // The snapshot published after the last step (never takes the engine's lock). It can lag: when it is
+  // expensive it is published at most every 50x its cost, so it may predate the last commands.
   EngineStats Stats() const;
+  // Requests in flight (running, waiting or preempted), counted on the engine thread after every command
+  // posted before this call (so a request submitted earlier is counted). Waits at most one step; the drain
+  // uses it because the snapshot above can predate a request that has already streamed tokens.
+  int64_t RequestsInFlight();
   // Seconds since the engine thread last finished a loop iteration (it wakes at least every 250 ms, so a
   // large figure means it is stuck); liveness checks read it.
   double SecondsSinceProgress() const;

@@ -156,12 +156,12 @@ class LivenessWatchdog {
   std::thread thread_;
 };
 
-// The drain: waits until nothing runs or waits, at most grace_s.
-void WaitForIdle(const qkv::Engine& engine, double grace_s) {
+// The drain: waits until nothing runs or waits, at most grace_s. Asks the engine thread, not the stats
+// snapshot: a stale snapshot (taken before an in-flight request was admitted) once cancelled that request.
+void WaitForIdle(qkv::Engine& engine, double grace_s) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
   while (std::chrono::steady_clock::now() < deadline) {
-    const auto s = engine.Stats();
-    if (s.requests_running == 0 && s.requests_waiting == 0) break;
+    if (engine.RequestsInFlight() == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
 }
