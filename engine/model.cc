@@ -91,8 +91,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), m->weights_summary(),
                m->weight_bytes_ / 1e6, opt.n_threads);
-  spdlog::info("gemm: cpu isa {}; compute dtype {}; {}", GemmRuntime::CpuIsa(), DTypeName(m->compute_dtype()),
-               m->rt_->Summary());
+  spdlog::info("gemm: cpu isa {} (own kernels {}); compute dtype {}; {}", GemmRuntime::CpuIsa(),
+               KernelIsaName(ActiveKernelIsa()), DTypeName(m->compute_dtype()), m->rt_->Summary());
   for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
   const ModelConfig& c = m->cfg_;
   // The cache the layers need: one arena layer of the paged token store per layer kind that caches per

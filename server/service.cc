@@ -619,6 +619,7 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_weights_dtype(m.weights_summary());
   resp->set_kv_dtype(DTypeName(m.options().kv_dtype));
   resp->set_cpu_isa(GemmRuntime::CpuIsa());
+  resp->set_kernel_isa(KernelIsaName(ActiveKernelIsa()));
   resp->set_compute_dtype(DTypeName(m.compute_dtype()));
   resp->set_gemm(m.gemm().Summary());
   resp->set_instance_id(opt_.instance_id);

@@ -21,9 +21,15 @@ if [ "$(rank "$got")" -lt "$want" ]; then
   echo "isa $level: skipped, this CPU reaches only $got"
   exit 77
 fi
-export ONEDNN_MAX_CPU_ISA=$level OMP_WAIT_POLICY=PASSIVE QKV_BIN=$bin
-echo "isa $level: oneDNN runs at $got"
+# The engine's own kernels are capped to the same class of CPU (kernels/cpu.h): AVX2 machines have no
+# AVX-512; AVX512_CORE ones (Skylake-SP) have no VNNI; the levels above have VNNI.
+case $level in
+  AVX2) kernels=avx2 ;; AVX512_CORE) kernels=avx512 ;; *) kernels=avx512_vnni ;;
+esac
+export ONEDNN_MAX_CPU_ISA=$level QKV_MAX_ISA=$kernels OMP_WAIT_POLICY=PASSIVE QKV_BIN=$bin
+echo "isa $level: oneDNN runs at $got; own kernels capped to $kernels"
 "$bin/linear_test" --gtest_brief=1
+"$bin/quant_test" --gtest_brief=1 --gtest_filter='QuantLinear.*'
 "$bin/model_test" --gtest_brief=1 --gtest_filter='*CacheMatchesRecompute*:*Causality*:*Chunking*'
 "$bin/engine_test" --gtest_brief=1 --gtest_filter='*BatchInvariance*:*SessionEquivalence*:*Pressure*'
 /usr/bin/python3 "$here/integration/test_same_bits.py"

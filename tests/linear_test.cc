@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 
 #include "engine/bf16.h"
+#include "engine/kernels/cpu.h"
 
 namespace qkv {
 namespace {
@@ -108,7 +110,47 @@ TEST(Linear, PackedBackendIsUsedWhenForced) {
   ASSERT_TRUE(lin.ok());
   EXPECT_EQ((*lin)->backend(), GemmBackend::kPacked);
   EXPECT_EQ((*lin)->input_dtype(), DType::kF32);
-  EXPECT_EQ(rt.Summary(), "packed avx2 f32 x bf16");
+  EXPECT_EQ(rt.Summary(), std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x bf16");
+}
+
+// The packed GEMM gives the same bits at every kernel level this CPU has (AVX2: two ymm per panel; AVX-512:
+// one zmm per panel, tiles up to 12 rows x 8 panels), for decode and prefill tile shapes, partial panels,
+// bias or not. Levels the CPU lacks are printed as skipped.
+TEST(Linear, PackedGivesTheSameBitsAtEveryKernelLevel) {
+  ScopedEnv env("QKV_GEMM", "packed");
+  const KernelIsa saved = ActiveKernelIsa();
+  if (CpuKernelIsa() < KernelIsa::kAvx512) {
+    std::printf("kernel level avx512: skipped (this CPU has up to %s)\n", KernelIsaName(CpuKernelIsa()));
+    GTEST_SKIP() << "one kernel level only";
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (Shape s : {Shape{7, 5}, Shape{33, 17}, Shape{100, 64}, Shape{200, 96}, Shape{272, 40}}) {
+      std::vector<float> w(static_cast<size_t>(s.n) * s.k), b(s.n);
+      for (auto& v : w) v = u(rng);
+      for (auto& v : b) v = u(rng);
+      const int max_m = 130;
+      std::vector<float> x(static_cast<size_t>(PaddedRows(max_m)) * s.k);
+      for (auto& v : x) v = u(rng);
+      for (bool with_bias : {false, true}) {
+        GemmRuntime rt(2);
+        auto lin = Linear::Create(rt, w.data(), with_bias ? b.data() : nullptr, s.n, s.k, dt);
+        ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+        for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 17, 24, 25, 37, 100, 130}) {
+          std::vector<float> y2(static_cast<size_t>(m) * s.n), y5(y2.size());
+          SetKernelIsaForTesting(KernelIsa::kAvx2);
+          (*lin)->Forward(x.data(), m, y2.data());
+          SetKernelIsaForTesting(KernelIsa::kAvx512);
+          (*lin)->Forward(x.data(), m, y5.data());
+          ASSERT_EQ(0, std::memcmp(y2.data(), y5.data(), y2.size() * sizeof(float)))
+              << DTypeName(dt) << " " << s.n << "x" << s.k << " m " << m << " bias " << with_bias;
+        }
+      }
+    }
+  }
+  SetKernelIsaForTesting(saved);
+  std::printf("kernel levels avx2 and avx512: same bits\n");
 }
 
 void CheckNaiveProduct(DType dt) {

@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "engine/bf16.h"
+#include "engine/kernels/cpu.h"
 #include "engine/kernels/linear.h"
 
 namespace qkv {
@@ -170,27 +172,52 @@ std::unique_ptr<Linear> MakeQuantLinear(GemmRuntime& rt, GgmlType t, const std::
   return lin.ok() ? std::move(*lin) : nullptr;
 }
 
-// The AVX2 kernel gives exactly the bits of the lane-by-lane scalar description, for every type and for
-// tiles of every shape (M = 1..6 covers the 1-row and 4-row tiles and their remainders; N = 37 the 1- and
-// 2-column ones).
+// The kernel levels this CPU has (kernels/cpu.h), lowest first; the ones it lacks are printed as skipped.
+std::vector<KernelIsa> KernelLevels() {
+  std::vector<KernelIsa> v;
+  for (KernelIsa i : {KernelIsa::kAvx2, KernelIsa::kAvx512, KernelIsa::kAvx512Vnni}) {
+    if (i <= CpuKernelIsa()) {
+      v.push_back(i);
+    } else {
+      std::printf("kernel level %s: skipped (this CPU has up to %s)\n", KernelIsaName(i),
+                  KernelIsaName(CpuKernelIsa()));
+    }
+  }
+  return v;
+}
+
+// Restores the process's kernel level when a test ends.
+struct KernelLevelGuard {
+  KernelIsa saved = ActiveKernelIsa();
+  ~KernelLevelGuard() { SetKernelIsaForTesting(saved); }
+};
+
+// The kernel gives exactly the bits of the lane-by-lane scalar description, for every type, at every
+// kernel level this CPU has (AVX2 maddubs; AVX-512 VNNI two columns per zmm), and for tiles of every shape
+// (M = 1..9 covers the 1-row and 4-row tiles and their remainders; N = 37 the 4-, 2- and 1-column ones).
 TEST(QuantLinear, MatchesScalarDescriptionBitForBit) {
   const int k = 512, n = 37;
   GemmRuntime rt(2);
-  for (GgmlType t : kQuantTypes) {
-    const auto q = Encode(t, Normal(static_cast<size_t>(n) * k, 5, 0.05f), n, k);
-    auto lin = MakeQuantLinear(rt, t, q, n, k, nullptr);
-    ASSERT_TRUE(lin);
-    for (int m = 1; m <= 6; ++m) {
-      const auto x = Normal(static_cast<size_t>(m) * k, 10 + m);
-      std::vector<float> y(static_cast<size_t>(m) * n);
-      lin->Forward(x.data(), m, y.data());
-      for (int r = 0; r < m; ++r)
-        for (int c = 0; c < n; ++c) {
-          const float e = Emulate(t, &q[GgmlRowBytes(t, k) * c], &x[static_cast<size_t>(r) * k], k);
-          const float got = y[static_cast<size_t>(r) * n + c];
-          ASSERT_EQ(0, std::memcmp(&e, &got, 4))
-              << GgmlTypeName(t) << " m " << m << " row " << r << " col " << c << ": " << got << " vs " << e;
-        }
+  KernelLevelGuard guard;
+  for (KernelIsa level : KernelLevels()) {
+    SetKernelIsaForTesting(level);
+    std::printf("kernel level %s: checked\n", KernelIsaName(level));
+    for (GgmlType t : kQuantTypes) {
+      const auto q = Encode(t, Normal(static_cast<size_t>(n) * k, 5, 0.05f), n, k);
+      auto lin = MakeQuantLinear(rt, t, q, n, k, nullptr);
+      ASSERT_TRUE(lin);
+      for (int m = 1; m <= 9; ++m) {
+        const auto x = Normal(static_cast<size_t>(m) * k, 10 + m);
+        std::vector<float> y(static_cast<size_t>(m) * n);
+        lin->Forward(x.data(), m, y.data());
+        for (int r = 0; r < m; ++r)
+          for (int c = 0; c < n; ++c) {
+            const float e = Emulate(t, &q[GgmlRowBytes(t, k) * c], &x[static_cast<size_t>(r) * k], k);
+            const float got = y[static_cast<size_t>(r) * n + c];
+            ASSERT_EQ(0, std::memcmp(&e, &got, 4)) << KernelIsaName(level) << " " << GgmlTypeName(t) << " m " << m
+                                                   << " row " << r << " col " << c << ": " << got << " vs " << e;
+          }
+      }
     }
   }
 }
@@ -200,18 +227,24 @@ TEST(QuantLinear, RowsAreIndependentOfMAndThreads) {
   const int k = 768, n = 203;  // k: three super-blocks; n: odd, so slices and tiles have remainders
   const auto bias = Normal(n, 6);
   GemmRuntime rt2(2), rt1(1);
-  for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_1, GgmlType::kIQ4_XS}) {
-    const auto q = Encode(t, Normal(static_cast<size_t>(n) * k, 7, 0.05f), n, k);
-    auto lin2 = MakeQuantLinear(rt2, t, q, n, k, bias.data());
-    auto lin1 = MakeQuantLinear(rt1, t, q, n, k, bias.data());
-    const int max_m = 130;
-    const auto x = Normal(static_cast<size_t>(max_m) * k, 8);
-    std::vector<float> one(static_cast<size_t>(max_m) * n);
-    for (int r = 0; r < max_m; ++r) lin1->Forward(&x[static_cast<size_t>(r) * k], 1, &one[static_cast<size_t>(r) * n]);
-    for (int m : {1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 100, 130}) {
-      std::vector<float> y(static_cast<size_t>(m) * n);
-      lin2->Forward(x.data(), m, y.data());
-      ASSERT_EQ(0, std::memcmp(y.data(), one.data(), y.size() * sizeof(float))) << GgmlTypeName(t) << " M " << m;
+  KernelLevelGuard guard;
+  for (KernelIsa level : KernelLevels()) {
+    SetKernelIsaForTesting(level);
+    for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_1, GgmlType::kIQ4_XS}) {
+      const auto q = Encode(t, Normal(static_cast<size_t>(n) * k, 7, 0.05f), n, k);
+      auto lin2 = MakeQuantLinear(rt2, t, q, n, k, bias.data());
+      auto lin1 = MakeQuantLinear(rt1, t, q, n, k, bias.data());
+      const int max_m = 130;
+      const auto x = Normal(static_cast<size_t>(max_m) * k, 8);
+      std::vector<float> one(static_cast<size_t>(max_m) * n);
+      for (int r = 0; r < max_m; ++r)
+        lin1->Forward(&x[static_cast<size_t>(r) * k], 1, &one[static_cast<size_t>(r) * n]);
+      for (int m : {1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 100, 130}) {
+        std::vector<float> y(static_cast<size_t>(m) * n);
+        lin2->Forward(x.data(), m, y.data());
+        ASSERT_EQ(0, std::memcmp(y.data(), one.data(), y.size() * sizeof(float)))
+            << KernelIsaName(level) << " " << GgmlTypeName(t) << " M " << m;
+      }
     }
   }
 }

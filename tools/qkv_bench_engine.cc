@@ -92,8 +92,9 @@ int main(int argc, char** argv) {
   const int V = (*m)->config().vocab;
   std::printf("model: %s, %d threads, %lld KV blocks of 16\n", (*m)->config().Summary().c_str(), threads,
               static_cast<long long>(mo.kv_blocks));
-  std::printf("gemm: cpu isa %s (own kernels avx2); compute dtype %s; %s\n", qkv::GemmRuntime::CpuIsa().c_str(),
-              qkv::DTypeName((*m)->compute_dtype()), (*m)->gemm().Summary().c_str());
+  std::printf("gemm: cpu isa %s (own kernels %s); compute dtype %s; %s\n", qkv::GemmRuntime::CpuIsa().c_str(),
+              qkv::KernelIsaName(qkv::ActiveKernelIsa()), qkv::DTypeName((*m)->compute_dtype()),
+              (*m)->gemm().Summary().c_str());
   qkv::EngineOptions eo;
   eo.max_num_batched_tokens = 512;
   eo.max_num_seqs = 64;

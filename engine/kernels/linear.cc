@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "engine/kernels/cpu.h"
+
 namespace qkv {
 namespace {
 
@@ -158,6 +160,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
                                                  DType dt) {
   if (n <= 0 || k <= 0) return InvalidArgument("linear: empty shape");
   QKV_ASSIGN_OR_RETURN(std::optional<GemmBackend> forced, GemmBackendFromEnv());
+  QKV_RETURN_IF_ERROR(KernelIsaFromEnv().status());
   auto lin = std::unique_ptr<Linear>(new Linear());
   lin->rt_ = &rt;
   lin->n_ = n;
@@ -193,7 +196,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   const int panels = lin->packed_->panels();
   lin->panel_bounds_.resize(nthr + 1);
   for (int t = 0; t <= nthr; ++t) lin->panel_bounds_[t] = static_cast<int>(static_cast<int64_t>(panels) * t / nthr);
-  rt.NoteLayer(std::string("packed avx2 f32 x ") + DTypeName(dt), DType::kF32);
+  rt.NoteLayer(std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x " + DTypeName(dt), DType::kF32);
   return lin;
 }
 
@@ -201,6 +204,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::
   if (!w || w->n() <= 0 || w->k() <= 0 || w->k() % 32 != 0 || !w->whole_blocks()) {
     return InvalidArgument("linear: quantized weights must be rows of whole blocks of a quantized type");
   }
+  QKV_RETURN_IF_ERROR(KernelIsaFromEnv().status());
   auto lin = std::unique_ptr<Linear>(new Linear());
   lin->rt_ = &rt;
   lin->n_ = w->n();
@@ -208,7 +212,8 @@ StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::
   lin->dt_ = DType::kF32;
   lin->weight_bytes_ = w->bytes();
   lin->quant_ = std::move(w);
-  rt.NoteLayer("quantized avx2 int8 x " + lin->quant_->types(), DType::kF32);
+  rt.NoteLayer(std::string("quantized ") + KernelIsaName(QuantWeights::Level()) + " int8 x " + lin->quant_->types(),
+               DType::kF32);
   return lin;
 }
 

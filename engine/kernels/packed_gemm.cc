@@ -97,7 +97,126 @@ TileFn<W> Pick(int mr, int np) {
   }
 }
 
+// The same GEMM on AVX-512 (kernels/cpu.h), same bits: a zmm holds a whole panel, so every lane is still
+// one output's FMA chain over k in order from 0, then the bias. bf16 panel rows are widened with
+// vpmovzxwd, which leaves the columns in slot order (0, 8, 1, 9, ...); the accumulators keep that order and
+// are put back in column order once, at the store. 32 registers allow tiles up to 12 rows × 2 panels.
+#define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+QKV_AVX512 inline __m512 LoadPanel(const float* p) { return _mm512_loadu_ps(p); }
+QKV_AVX512 inline __m512 LoadPanel(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+// Accumulator lanes to columns: f32 panels are in column order already, bf16 ones in slot order.
+QKV_AVX512 inline __m512 ToColumns(const float*, __m512 v) { return v; }
+QKV_AVX512 inline __m512 ToColumns(const uint16_t*, __m512 v) {
+  // (The maskz form: GCC 12 warns on the undefined pass-through of the unmasked one.)
+  return _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
+                                     v);
+}
+
+template <typename W, int MR, int NP>
+QKV_AVX512 void Tile512(const float* __restrict x, int ldx, const W* __restrict w, size_t pstride, int K,
+                        const float* __restrict bias, float* __restrict y, int ldy) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    __m512 wv[NP];
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) wv[j] = LoadPanel(w + j * pstride + static_cast<size_t>(k) * P);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[static_cast<size_t>(r) * ldx + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(xb, wv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      __m512 a = ToColumns(w, acc[r][j]);
+      if (bias) a = _mm512_add_ps(a, _mm512_loadu_ps(bias + j * P));
+      _mm512_storeu_ps(y + static_cast<size_t>(r) * ldy + j * P, a);
+    }
+  }
+}
+
+// Widest panel group per row count (up to 12) that keeps the accumulators, the panel loads and the
+// broadcast in 32 zmm registers.
+constexpr int kMaxRows512 = 12;
+constexpr int kMaxPanels512[kMaxRows512 + 1] = {0, 8, 8, 6, 5, 4, 3, 3, 3, 2, 2, 2, 2};
+
+template <typename W, int MR>
+TileFn<W> PickNp512(int np) {
+  switch (std::min(np, kMaxPanels512[MR])) {
+    case 2:
+      if constexpr (kMaxPanels512[MR] >= 2) return Tile512<W, MR, 2>;
+      break;
+    case 3:
+      if constexpr (kMaxPanels512[MR] >= 3) return Tile512<W, MR, 3>;
+      break;
+    case 4:
+      if constexpr (kMaxPanels512[MR] >= 4) return Tile512<W, MR, 4>;
+      break;
+    case 5:
+      if constexpr (kMaxPanels512[MR] >= 5) return Tile512<W, MR, 5>;
+      break;
+    case 6:
+      if constexpr (kMaxPanels512[MR] >= 6) return Tile512<W, MR, 6>;
+      break;
+    case 8:
+      if constexpr (kMaxPanels512[MR] >= 8) return Tile512<W, MR, 8>;
+      break;
+  }
+  return Tile512<W, MR, 1>;
+}
+
 template <typename W>
+TileFn<W> Pick512(int mr, int np) {
+  switch (mr) {
+    case 1: return PickNp512<W, 1>(np);
+    case 2: return PickNp512<W, 2>(np);
+    case 3: return PickNp512<W, 3>(np);
+    case 4: return PickNp512<W, 4>(np);
+    case 5: return PickNp512<W, 5>(np);
+    case 6: return PickNp512<W, 6>(np);
+    case 7: return PickNp512<W, 7>(np);
+    case 8: return PickNp512<W, 8>(np);
+    case 9: return PickNp512<W, 9>(np);
+    case 10: return PickNp512<W, 10>(np);
+    case 11: return PickNp512<W, 11>(np);
+    default: return PickNp512<W, 12>(np);
+  }
+}
+
+// A level's tile set: the tallest tile, the panels a prefill tile spans, the widest tile per row count, and
+// the picker.
+struct Avx2Tiles {
+  static constexpr int kMaxRows = 6, kPrefillPanels = 1;
+  static int Panels(int mr, int left) { return std::min(kMaxPanels[mr], left); }
+  template <typename W>
+  static TileFn<W> Get(int mr, int np) {
+    return Pick<W>(mr, np);
+  }
+};
+struct Avx512Tiles {
+  static constexpr int kMaxRows = kMaxRows512, kPrefillPanels = 2;
+  static int Panels(int mr, int left) {
+    const int np = std::min(kMaxPanels512[mr], left);
+    return np == 7 ? 6 : np;  // no 7-panel tile
+  }
+  template <typename W>
+  static TileFn<W> Get(int mr, int np) {
+    return Pick512<W>(mr, np);
+  }
+};
+
+template <class Tiles, typename W>
 void Run(const W* packed, const float* bias, int n, int K, const float* x, int ldx, int m, int p0, int p1, float* y,
          int ldy) {
   const size_t pstride = static_cast<size_t>(K) * P;
@@ -108,31 +227,37 @@ void Run(const W* packed, const float* bias, int n, int K, const float* x, int l
     const float* b = bias ? bias + col0 : nullptr;
     float* yr = y + static_cast<size_t>(r) * ldy + col0;
     if (ncols == np * P) {
-      Pick<W>(mr, np)(xr, ldx, packed + p * pstride, pstride, K, b, yr, ldy);
+      Tiles::template Get<W>(mr, np)(xr, ldx, packed + p * pstride, pstride, K, b, yr, ldy);
       return;
     }
     // The last panel is partial: through a buffer, then the valid columns.
-    alignas(32) float tmp[6 * 4 * P];
-    Pick<W>(mr, np)(xr, ldx, packed + p * pstride, pstride, K, b, tmp, np * P);
+    alignas(64) float tmp[Tiles::kMaxRows * 8 * P];
+    Tiles::template Get<W>(mr, np)(xr, ldx, packed + p * pstride, pstride, K, b, tmp, np * P);
     for (int i = 0; i < mr; ++i)
       std::memcpy(yr + static_cast<size_t>(i) * ldy, tmp + i * np * P, sizeof(float) * ncols);
   };
-  if (m <= 6) {
-    // Decode: one row block, several panels side by side to hide the FMA latency.
+  if (m <= Tiles::kMaxRows) {
+    // Decode and small batches: one row block, several panels side by side to hide the FMA latency.
     for (int p = p0; p < p1;) {
-      const int np = std::min(kMaxPanels[m], p1 - p);
+      const int np = Tiles::Panels(m, p1 - p);
       tile(0, m, p, np);
       p += np;
     }
     return;
   }
-  // Prefill: one panel (K x 16 weights, in L1/L2) against every 6-row block of x.
-  for (int p = p0; p < p1; ++p) {
-    for (int r = 0; r < m; r += 6) tile(r, std::min(6, m - r), p, 1);
+  // Prefill: a panel group (K × 16 or K × 32 weights, in L1/L2) against every row block of x.
+  for (int p = p0; p < p1;) {
+    const int np = std::min(Tiles::kPrefillPanels, p1 - p);
+    for (int r = 0; r < m; r += Tiles::kMaxRows) tile(r, std::min(Tiles::kMaxRows, m - r), p, np);
+    p += np;
   }
 }
 
 }  // namespace
+
+KernelIsa PackedWeights::Level() {
+  return ActiveKernelIsa() >= KernelIsa::kAvx512 ? KernelIsa::kAvx512 : KernelIsa::kAvx2;
+}
 
 PackedWeights::PackedWeights(const float* w, const float* bias, int n, int k, bool bf16) : n_(n), k_(k) {
   const size_t total = static_cast<size_t>(panels()) * k * P;
@@ -164,10 +289,12 @@ PackedWeights::PackedWeights(const float* w, const float* bias, int n, int k, bo
 void PackedWeights::Compute(const float* x, int ldx, int m, int panel0, int panel1, float* y, int ldy) const {
   if (m <= 0 || panel0 >= panel1) return;
   const float* b = bias_.empty() ? nullptr : bias_.data();
+  const bool wide = Level() == KernelIsa::kAvx512;
   if (!bf16_.empty()) {
-    Run(bf16_.data(), b, n_, k_, x, ldx, m, panel0, panel1, y, ldy);
+    (wide ? Run<Avx512Tiles, uint16_t> : Run<Avx2Tiles, uint16_t>)(bf16_.data(), b, n_, k_, x, ldx, m, panel0, panel1,
+                                                                   y, ldy);
   } else {
-    Run(f32_.data(), b, n_, k_, x, ldx, m, panel0, panel1, y, ldy);
+    (wide ? Run<Avx512Tiles, float> : Run<Avx2Tiles, float>)(f32_.data(), b, n_, k_, x, ldx, m, panel0, panel1, y, ldy);
   }
 }
 

@@ -5,8 +5,8 @@
 // Same bits whatever M: every output element is one fused-multiply-add chain over k = 0, 1, ..., K-1,
 // started at 0, and then the bias is added. The register tiles (how many rows and columns one call of the
 // microkernel covers) change with M, but a tile only decides which chains run side by side, never the
-// order inside a chain. Vector width does not enter either, so an AVX-512 build of the same loops would
-// give the same bits.
+// order inside a chain. Vector width does not enter either: on AVX-512 (kernels/cpu.h) a zmm holds a
+// whole panel and the same chains give the same bits (tests/linear_test.cc compares the levels).
 //
 // Weights are packed once at load into panels of 16 columns, [panel][k][16], as f32 or bf16; a bf16 panel
 // row stores columns (0, 8), (1, 9), ... in adjacent pairs so that one 32-byte load yields both halves
@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "engine/kernels/cpu.h"
 
 namespace qkv {
 
@@ -28,6 +30,8 @@ class PackedWeights {
   int k() const { return k_; }
   int panels() const { return (n_ + kPanel - 1) / kPanel; }
   size_t bytes() const { return f32_.size() * 4 + bf16_.size() * 2 + bias_.size() * 4; }
+  // The kernel level Compute runs at (ActiveKernelIsa, rounded down to a level with a kernel).
+  static KernelIsa Level();
 
   // Columns [panel0 * 16, min(n, panel1 * 16)) of m rows. x: row stride ldx (f32); y: row stride ldy.
   void Compute(const float* x, int ldx, int m, int panel0, int panel1, float* y, int ldy) const;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 namespace qkv {
 namespace {
@@ -205,32 +206,49 @@ inline float HSum(__m256 v) {
 // memory streams run side by side.
 constexpr int kPrefetch = 384;  // bytes ahead in the weight row (measured: 384-768 best on an AVX2 EPYC)
 
+// Where rows r0 .. r0 + R − 1 of the quantized activations start: values, per-32 scales, per-4 sums.
+template <int R>
+struct RowPtrs {
+  const int8_t* q[R];
+  const float* scale[R];
+  const float* sum4[R];
+  RowPtrs(const QuantizedRows& a, int r0) {
+    for (int r = 0; r < R; ++r) {
+      const size_t row = static_cast<size_t>(r0 + r);
+      q[r] = a.q.data() + row * a.k;
+      scale[r] = a.scale.data() + row * (a.k / 32);
+      sum4[r] = a.sum4.data() + row * (a.k / 4);
+    }
+  }
+};
+
+// Super-block sb of C weight rows: its address per row (prefetched ahead) and its scales and offsets.
+template <class D, int C>
+inline void PrepareBlocks(const uint8_t* const* w, size_t stride, int sb, const uint8_t** blk, float (*sc16)[16],
+                          float (*off16)[16]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    blk[c] = w[c] + static_cast<size_t>(sb) * stride;
+    _mm_prefetch(reinterpret_cast<const char*>(blk[c]) + kPrefetch, _MM_HINT_T0);
+    D::Prepare(blk[c], sc16[c], off16[c]);
+  }
+}
+
 template <class D, int R, int C, bool kOff>
 void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int kb = k / 32;
-  const int8_t* aq[R];
-  const float* as[R];
-  const float* a4[R];
-  for (int r = 0; r < R; ++r) {
-    const size_t row = static_cast<size_t>(r0 + r);
-    aq[r] = a.q.data() + row * k;
-    as[r] = a.scale.data() + row * kb;
-    a4[r] = a.sum4.data() + row * (k / 4);
-  }
+  const RowPtrs<R> rows(a, r0);
+  const int8_t* const* aq = rows.q;
+  const float* const* as = rows.scale;
+  const float* const* a4 = rows.sum4;
   constexpr int G = D::kValues / 32;
   float sc16[C][16], off16[C][16];
   for (int sb = 0; sb < k / D::kValues; ++sb) {
     const uint8_t* blk[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      blk[c] = w[c] + static_cast<size_t>(sb) * stride;
-      _mm_prefetch(reinterpret_cast<const char*>(blk[c]) + kPrefetch, _MM_HINT_T0);
-      D::Prepare(blk[c], sc16[c], off16[c]);
-    }
+    PrepareBlocks<D, C>(w, stride, sb, blk, sc16, off16);
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
       const int b = sb * G + j;
@@ -269,6 +287,118 @@ void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRows&
     for (int c = 0; c < C; ++c) out[r * ldo + c] = HSum(acc[r][c]);
 }
 
+// The same tile on AVX-512 VNNI, same bits: a zmm holds the 8 lanes of two columns (c, c + 1) side by
+// side, and vpdpbusd gives each lane the exact int32 sum of its 4 products, as maddubs + madd does on AVX2.
+// vpdpbusd multiplies unsigned by signed bytes, so the weights go in offset by 128 (w ^ 0x80 = w + 128) and
+// the accumulator starts at −128 × (the 4 activations' sum), computed once per row and block. Every lane
+// then runs the AVX2 kernel's float operations in the same order, and each half is summed by HSum.
+#define QKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// A column pair's 32-value groups j as one zmm of unsigned bytes, offset by 128 (the weight w is w + 128).
+// The 4-bit types decode both columns' nibbles in one pass; the others pair the AVX2 decoders' ymm.
+QKV_AVX512_VNNI inline __m512i NibblePair(const uint8_t* p0, const uint8_t* p1) {
+  // [p0 | p1] → [p0 | p1 | p0 >> 4 | p1 >> 4] → low nibbles → [p0 lo, p0 hi, p1 lo, p1 hi] (value order).
+  const __m256i x = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0));
+  const __m512i z = _mm512_inserti64x4(_mm512_zextsi256_si512(x), _mm256_srli_epi16(x, 4), 1);
+  const __m512i n = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+  return _mm512_maskz_permutexvar_epi64(0xFF, _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), n);
+}
+// The IQ4 codebook plus 128, for vpshufb in each 128-bit lane.
+QKV_AVX512_VNNI inline __m512i Iq4Pair(__m512i idx) {
+  const __m512i book = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141),
+                    static_cast<char>(153), static_cast<char>(166), static_cast<char>(181), static_cast<char>(197),
+                    static_cast<char>(217), static_cast<char>(241)));
+  return _mm512_shuffle_epi8(book, idx);
+}
+template <class D>
+QKV_AVX512_VNNI inline __m512i WeightPair(const uint8_t* b0, const uint8_t* b1, int j) {
+  if constexpr (std::is_same_v<D, DecQ4_0>) {
+    return _mm512_add_epi8(NibblePair(b0 + 2, b1 + 2), _mm512_set1_epi8(120));  // (q − 8) + 128
+  } else if constexpr (std::is_same_v<D, DecIq4Nl>) {
+    return Iq4Pair(NibblePair(b0 + 2, b1 + 2));
+  } else if constexpr (std::is_same_v<D, DecIq4Xs>) {
+    return Iq4Pair(NibblePair(b0 + 8 + 16 * j, b1 + 8 + 16 * j));
+  } else if constexpr (std::is_same_v<D, DecQ45_K<false>>) {
+    const size_t at = 16 + static_cast<size_t>(j / 2) * 32;
+    const __m512i v = _mm512_inserti64x4(_mm512_zextsi256_si512(Load256(b0 + at)), Load256(b1 + at), 1);
+    const __m512i q = (j % 2) ? _mm512_srli_epi16(v, 4) : v;
+    return _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi8(0x0F)), _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_zextsi256_si512(D::Q(b0, j)), D::Q(b1, j), 1),
+                            _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
+template <class D, int R, int CP, bool kOff>
+QKV_AVX512_VNNI void DotTile512(const uint8_t* const* w, size_t stride, int k, const QuantizedRows& a, int r0,
+                                float* out, int ldo) {
+  constexpr int C = 2 * CP;
+  const __m512i k80 = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][CP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_setzero_ps();
+  const RowPtrs<R> rows(a, r0);
+  const int8_t* const* aq = rows.q;
+  const float* const* as = rows.scale;
+  const float* const* a4 = rows.sum4;
+  constexpr int G = D::kValues / 32;
+  float sc16[C][16], off16[C][16];
+  for (int sb = 0; sb < k / D::kValues; ++sb) {
+    const uint8_t* blk[C];
+    PrepareBlocks<D, C>(w, stride, sb, blk, sc16, off16);
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      const int b = sb * G + j;
+      __m512i av[R], corr[R];
+      __m512 asv[R], a4v[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        av[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[r] + 32 * b)));
+        corr[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, av[r]));
+        asv[r] = _mm512_set1_ps(as[r][b]);
+        if constexpr (kOff) a4v[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(a4[r] + 8 * b));
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < CP; ++p) {
+        const int c0 = 2 * p, c1 = 2 * p + 1;
+        const __m512i wv = WeightPair<D>(blk[c0], blk[c1], j);
+        __m512 sc, off;
+        if constexpr (D::kPer32) {
+          sc = _mm512_insertf32x8(_mm512_zextps256_ps512(_mm256_set1_ps(sc16[c0][2 * j])),
+                                  _mm256_set1_ps(sc16[c1][2 * j]), 1);
+          if constexpr (kOff)
+            off = _mm512_insertf32x8(_mm512_zextps256_ps512(_mm256_set1_ps(off16[c0][2 * j])),
+                                     _mm256_set1_ps(off16[c1][2 * j]), 1);
+        } else {
+          sc = _mm512_setr_ps(sc16[c0][2 * j], sc16[c0][2 * j], sc16[c0][2 * j], sc16[c0][2 * j], sc16[c0][2 * j + 1],
+                              sc16[c0][2 * j + 1], sc16[c0][2 * j + 1], sc16[c0][2 * j + 1], sc16[c1][2 * j],
+                              sc16[c1][2 * j], sc16[c1][2 * j], sc16[c1][2 * j], sc16[c1][2 * j + 1],
+                              sc16[c1][2 * j + 1], sc16[c1][2 * j + 1], sc16[c1][2 * j + 1]);
+          if constexpr (kOff)
+            off =
+                _mm512_setr_ps(off16[c0][2 * j], off16[c0][2 * j], off16[c0][2 * j], off16[c0][2 * j],
+                               off16[c0][2 * j + 1], off16[c0][2 * j + 1], off16[c0][2 * j + 1], off16[c0][2 * j + 1],
+                               off16[c1][2 * j], off16[c1][2 * j], off16[c1][2 * j], off16[c1][2 * j],
+                               off16[c1][2 * j + 1], off16[c1][2 * j + 1], off16[c1][2 * j + 1], off16[c1][2 * j + 1]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m512 prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[r], wv, av[r]));
+          acc[r][p] = _mm512_fmadd_ps(prod, _mm512_mul_ps(sc, asv[r]), acc[r][p]);
+          if constexpr (kOff) acc[r][p] = _mm512_fnmadd_ps(off, a4v[r], acc[r][p]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < CP; ++p) {
+      out[r * ldo + 2 * p] = HSum(_mm512_extractf32x8_ps(acc[r][p], 0));
+      out[r * ldo + 2 * p + 1] = HSum(_mm512_extractf32x8_ps(acc[r][p], 1));
+    }
+  }
+}
+
 // All rows of `a` against C weight rows of type D; out is [a.m][ldo].
 template <class D, int C, bool kOff>
 void DotCols(const uint8_t* const* w, size_t stride, int k, const QuantizedRows& a, float* out, int ldo) {
@@ -298,21 +428,55 @@ void DotType(const uint8_t* const* w, size_t stride, int n, int k, const Quantiz
   for (; c < n; ++c) DotCols<D, 1, kOff>(w + c, stride, k, a, out + c, ldo);
 }
 
-void Dot(GgmlType t, const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a, float* out,
-         int ldo) {
+// DotType on AVX-512 VNNI: column pairs. Decode (fewer than 4 rows): a group of kInterleave (4) interleaved
+// rows is 2 pairs, one activation row at a time; otherwise 4 rows × 2 pairs. Odd columns left at the end
+// run on the AVX2 tile (same bits).
+template <class D, bool kOff>
+QKV_AVX512_VNNI void DotType512(const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a,
+                                float* out, int ldo) {
+  int c = 0;
+  if (a.m < 4) {
+    for (; c + 4 <= n; c += 4)
+      for (int r = 0; r < a.m; ++r) DotTile512<D, 1, 2, kOff>(w + c, stride, k, a, r, out + r * ldo + c, ldo);
+    for (; c + 2 <= n; c += 2)
+      for (int r = 0; r < a.m; ++r) DotTile512<D, 1, 1, kOff>(w + c, stride, k, a, r, out + r * ldo + c, ldo);
+  } else {
+    for (; c + 4 <= n; c += 4) {
+      int r = 0;
+      for (; r + 4 <= a.m; r += 4) DotTile512<D, 4, 2, kOff>(w + c, stride, k, a, r, out + r * ldo + c, ldo);
+      for (; r < a.m; ++r) DotTile512<D, 1, 2, kOff>(w + c, stride, k, a, r, out + r * ldo + c, ldo);
+    }
+    for (; c + 2 <= n; c += 2)
+      for (int r = 0; r < a.m; ++r) DotTile512<D, 1, 1, kOff>(w + c, stride, k, a, r, out + r * ldo + c, ldo);
+  }
+  for (; c < n; ++c) DotCols<D, 1, kOff>(w + c, stride, k, a, out + c, ldo);
+}
+
+template <class D, bool kOff>
+void DotAt(bool vnni, const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a, float* out,
+           int ldo) {
+  if (vnni) {
+    DotType512<D, kOff>(w, stride, n, k, a, out, ldo);
+  } else {
+    DotType<D, kOff>(w, stride, n, k, a, out, ldo);
+  }
+}
+
+void Dot(bool vnni, GgmlType t, const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a,
+         float* out, int ldo) {
   switch (t) {
-    case GgmlType::kQ8_0: return DotType<DecQ8_0, false>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ4_0: return DotType<DecQ4_0, false>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ4_1: return DotType<DecQ4_1, true>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ5_0: return DotType<DecQ5_0, false>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ5_1: return DotType<DecQ5_1, true>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ2_K: return DotType<DecQ2_K, true>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ3_K: return DotType<DecQ3_K, false>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ4_K: return DotType<DecQ45_K<false>, true>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ5_K: return DotType<DecQ45_K<true>, true>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kQ6_K: return DotType<DecQ6_K, false>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kIQ4_NL: return DotType<DecIq4Nl, false>(w, stride, n, k, a, out, ldo);
-    case GgmlType::kIQ4_XS: return DotType<DecIq4Xs, false>(w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ8_0: return DotAt<DecQ8_0, false>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ4_0: return DotAt<DecQ4_0, false>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ4_1: return DotAt<DecQ4_1, true>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ5_0: return DotAt<DecQ5_0, false>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ5_1: return DotAt<DecQ5_1, true>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ2_K: return DotAt<DecQ2_K, true>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ3_K: return DotAt<DecQ3_K, false>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ4_K: return DotAt<DecQ45_K<false>, true>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ5_K: return DotAt<DecQ45_K<true>, true>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kQ6_K: return DotAt<DecQ6_K, false>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kIQ4_NL: return DotAt<DecIq4Nl, false>(vnni, w, stride, n, k, a, out, ldo);
+    case GgmlType::kIQ4_XS: return DotAt<DecIq4Xs, false>(vnni, w, stride, n, k, a, out, ldo);
     default: return;
   }
 }
@@ -390,6 +554,10 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
   if (bias) bias_.assign(bias, bias + n_);
 }
 
+KernelIsa QuantWeights::Level() {
+  return ActiveKernelIsa() >= KernelIsa::kAvx512Vnni ? KernelIsa::kAvx512Vnni : KernelIsa::kAvx2;
+}
+
 std::string QuantWeights::types() const {
   std::vector<GgmlType> seen;
   for (const Row& r : rows_)
@@ -414,6 +582,7 @@ void QuantWeights::Compute(const QuantizedRows& a, int c0, int c1, float* y, siz
   constexpr int kRun = 64;
   thread_local std::vector<float> out;
   out.resize(static_cast<size_t>(a.m) * kRun);
+  const bool vnni = Level() == KernelIsa::kAvx512Vnni;
   const uint8_t* w[kRun];
   for (int c = c0; c < c1;) {
     int n = 0;
@@ -423,7 +592,7 @@ void QuantWeights::Compute(const QuantizedRows& a, int c0, int c1, float* y, siz
       w[n] = data_.data() + rows_[c + n].offset;
       ++n;
     }
-    Dot(t, w, stride, n, k_, a, out.data(), kRun);
+    Dot(vnni, t, w, stride, n, k_, a, out.data(), kRun);
     for (int r = 0; r < a.m; ++r) {
       float* yr = y + static_cast<size_t>(r) * ldy + c;
       const float* o = out.data() + static_cast<size_t>(r) * kRun;

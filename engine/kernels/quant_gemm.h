@@ -8,7 +8,9 @@
 // with integer products summed exactly in int32 and the 8 lanes added in a fixed order at the end. The
 // order never depends on M, the rows beside it or the thread that computes it, so the bits of a row's
 // outputs are the same whatever the batch (row independence and batch invariance by construction).
-// AVX2 integer dot products (maddubs), compiled for x86-64-v3 like the rest of the engine.
+// AVX2 integer dot products (maddubs), or on AVX-512 VNNI (vpdpbusd, two columns per zmm) where the CPU has
+// it (kernels/cpu.h): the same bits at both levels, since every lane does the same exact integer sums and
+// the same float operations in the same order.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +18,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/kernels/cpu.h"
 #include "engine/quant.h"
 
 namespace qkv {
@@ -54,6 +57,8 @@ class QuantWeights {
   size_t bytes() const { return data_.size() + bias_.size() * sizeof(float); }
   // The types of the parts, e.g. "q4_k+q6_k".
   std::string types() const;
+  // The kernel level Compute runs at (ActiveKernelIsa, rounded down to a level with a kernel).
+  static KernelIsa Level();
   // Row r expanded to f32 (as DequantizeRow).
   void DequantizeRow(int r, float* dst) const;
   // y[i, c] for rows i < a.m and columns c in [c0, c1); y has row stride ldy. Column ranges that start

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Same bits through the server: a request's logprobs (and its prompt logprobs) are bit-identical alone and
 among 15 concurrent requests of other lengths, and with the prompt sent in one step or spread over several
-(a small --max-num-batched-tokens), for bf16 and f32 weights, and with an int8 KV cache. Run once per instruction-set level by tests/isa_level_test.sh."""
+(a small --max-num-batched-tokens), for bf16 and f32 weights, quantized (Q4_K_M) weights, and with an int8 KV
+cache. Run once per instruction-set level by tests/isa_level_test.sh, which also caps the engine's own kernels
+(QKV_MAX_ISA): GetModelInfo must report the capped level."""
 import concurrent.futures
+import os
 import struct
+import subprocess
 import unittest
 
-from harness import Server, make_model, pb
+from harness import BIN, TMP, Server, make_model, pb
 
 
 def bits(resp):
@@ -22,10 +26,16 @@ def request(n_prompt, seed, max_tokens=8):
 
 
 class SameBitsTest(unittest.TestCase):
-    def check(self, *args):
-        model = make_model("samebits", arch="qwen2", vocab=512, ctx=256, seed=11)
+    def check(self, *args, model=None):
+        model = model or make_model("samebits", arch="qwen2", vocab=512, ctx=256, seed=11)
         s = Server("--threads", "2", *args, model=model)
         try:
+            info = s.stub.GetModelInfo(pb.GetModelInfoRequest())
+            levels = ["avx2", "avx512", "avx512_vnni"]
+            self.assertIn(info.kernel_isa, levels)
+            cap = os.environ.get("QKV_MAX_ISA")
+            if cap:  # at most the cap (the CPU may have less)
+                self.assertLessEqual(levels.index(info.kernel_isa), levels.index(cap), info.kernel_isa)
             alone = bits(s.stub.Complete(request(45, 0)))
             self.assertEqual(len(alone[1]), 8)
             others = [request(3 + 11 * i, i + 1, max_tokens=4 + i % 9) for i in range(15)]
@@ -46,6 +56,16 @@ class SameBitsTest(unittest.TestCase):
                 whole = self.check("--weights-dtype", dtype, "--kv-dtype", kv)
                 chunked = self.check("--weights-dtype", dtype, "--kv-dtype", kv, "--max-num-batched-tokens", "16")
                 self.assertEqual(chunked, whole, "prompt chunking changed the bits")
+
+    def test_quantized_weights(self):
+        src = make_model("samebits", arch="qwen2", vocab=512, ctx=256, seed=11)
+        q = os.path.join(TMP, "samebits_q4_k_m.gguf")
+        if not os.path.exists(q):
+            subprocess.run([os.path.join(BIN, "qkv-model"), "quantize", src, q, "--type", "Q4_K_M"], check=True,
+                           stdout=subprocess.DEVNULL)
+        whole = self.check(model=q)
+        chunked = self.check("--max-num-batched-tokens", "16", model=q)
+        self.assertEqual(chunked, whole, "prompt chunking changed the bits on quantized weights")
 
 
 if __name__ == "__main__":

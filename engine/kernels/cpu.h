@@ -1,0 +1,34 @@
+// The instruction-set level the engine's own kernels (packed GEMM, quantized GEMM) dispatch to at run time.
+// The binary is compiled for x86-64-v3 (AVX2 + FMA); functions for higher levels carry a target attribute
+// and are called only when the CPU (and the OS, for the 512-bit state) supports them.
+//
+// Levels, lowest first:
+//   avx2         AVX2 + FMA (the build's baseline)
+//   avx512       AVX-512 F, BW, DQ, VL (x86-64-v4: Skylake-SP and later, Zen 4 and later)
+//   avx512_vnni  avx512 + VNNI integer dot products (Cascade Lake and later, Zen 4 and later)
+// QKV_MAX_ISA=avx2|avx512|avx512_vnni caps the level the way ONEDNN_MAX_CPU_ISA caps oneDNN (per process,
+// read once); a level above what the CPU has is the CPU's level. Every kernel gives the same bits at
+// every level (the wider kernels run the same operations per output in the same order), which
+// tests/linear_test.cc and tests/quant_test.cc check on whatever CPU runs them.
+#pragma once
+
+#include <string>
+
+#include "engine/status.h"
+
+namespace qkv {
+
+enum class KernelIsa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2 };
+
+const char* KernelIsaName(KernelIsa isa);
+// What this CPU supports, ignoring the cap.
+KernelIsa CpuKernelIsa();
+// The level in use: the CPU's, capped by QKV_MAX_ISA. Fails when QKV_MAX_ISA is not a level's name.
+StatusOr<KernelIsa> KernelIsaFromEnv();
+// The level in use (QKV_MAX_ISA must have been validated by KernelIsaFromEnv; an invalid value counts as
+// no cap here).
+KernelIsa ActiveKernelIsa();
+// Test hook: overrides the level for this process (nullopt-like: pass the CPU's level to undo).
+void SetKernelIsaForTesting(KernelIsa isa);
+
+}  // namespace qkv
