@@ -244,11 +244,25 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
                              " requests waiting, its limit (--max-waiting-per-key or the key file)");
   }
   Session* session = nullptr;
+  // A session this request created (prompt_is_context, an unknown id) goes again if the request is
+  // refused below: a refused request leaves no state behind.
+  struct CreatedSession {
+    Engine* e;
+    std::pair<std::string, std::string> key;
+    bool armed = false;
+    ~CreatedSession() {
+      if (!armed) return;
+      if (auto it = e->sessions_.find(key); it != e->sessions_.end()) e->EraseSession(it);
+    }
+  } created{this, {p.ns, p.session_id}};
+  // prompt_is_context: the history is cut back to what it shares with the prompt, once every check passed.
+  int64_t cut_to = -1;
   if (!p.session_id.empty()) {
     session = FindSession(p.ns, p.session_id);
     if (!session && p.prompt_is_context) {
       QKV_RETURN_IF_ERROR(DoCreateSession(p.ns, p.session_id, p.create_ttl_s, 0, {}, {}).status());
       session = FindSession(p.ns, p.session_id);
+      created.armed = true;
     }
     if (!session) return NotFound("session '" + p.session_id + "' not found");
     if (session->busy) {
@@ -261,11 +275,7 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
       size_t common = 0;
       while (common < h.size() && common < p.prompt.size() && h[common] == p.prompt[common]) ++common;
       if (common == p.prompt.size()) --common;
-      if (common < h.size()) {
-        const int n = static_cast<int>(common);
-        scheduler_.Truncate(session->ctx, n);
-        std::erase_if(session->turn_starts, [n](int t) { return t >= n; });
-      }
+      if (common < h.size()) cut_to = static_cast<int64_t>(common);
       p.prompt.erase(p.prompt.begin(), p.prompt.begin() + static_cast<std::ptrdiff_t>(common));
     }
   }
@@ -278,7 +288,7 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
   }
   // 64-bit: a client's max_tokens near INT_MAX must not wrap past the check.
   const int64_t max_ctx = model_.max_context();
-  int64_t history = session ? static_cast<int64_t>(session->ctx.tokens.size()) : 0;
+  int64_t history = session ? (cut_to >= 0 ? cut_to : static_cast<int64_t>(session->ctx.tokens.size())) : 0;
   int64_t ctx_len = history + static_cast<int64_t>(p.prompt.size());
   int64_t max_tokens = p.max_tokens;
   const int B = model_.options().block_size;
@@ -304,6 +314,7 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
       drop = std::min((over + B - 1) / B * B, history - keep);
       // A chat session drops whole turns: up to the first turn that starts at or after keep + over.
       for (int t : session->turn_starts) {
+        if (cut_to >= 0 && t >= cut_to) break;  // turns the prompt no longer shares (cut below)
         if (t >= keep + over && t <= history) {
           drop = t - keep;
           break;
@@ -328,6 +339,13 @@ Engine::StreamOrError Engine::DoSubmit(GenerateParams p) {
     return ResourceExhausted("the request needs " + std::to_string(ctx_len + max_tokens) +
                              " tokens of KV cache, more than the whole cache holds (" +
                              std::to_string(scheduler_.pool().total_blocks() * B) + ")");
+  }
+  // Every check passed: from here on the request is taken.
+  created.armed = false;
+  if (cut_to >= 0) {
+    const int n = static_cast<int>(cut_to);
+    scheduler_.Truncate(session->ctx, n);
+    std::erase_if(session->turn_starts, [n](int t) { return t >= n; });
   }
   auto s = std::make_unique<Sequence>();
   s->id = next_seq_id_++;

@@ -716,6 +716,12 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& opt, 
   cb.log_message = LogMessage;
   mg_init_library(s->tls_ ? MG_FEATURES_SSL : 0);
   s->ctx_ = mg_start(&cb, nullptr, options);
+  // civetweb has read the key into its SSL context: the copy on disk goes now, not at exit (a crash or a
+  // SIGKILL would otherwise leave the private key in /tmp).
+  if (!s->pem_file_.empty()) {
+    unlink(s->pem_file_.c_str());
+    s->pem_file_.clear();
+  }
   if (!s->ctx_) return FailedPrecondition("cannot serve HTTP on --http-listen " + opt.listen);
   mg_set_request_handler(s->ctx_, "/", HandleC, s->handler_.get());
   mg_server_port sp[4] = {};

@@ -350,6 +350,36 @@ TEST_P(EngineTest, OverflowPolicyPerSessionAndPerRequest) {
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
+// A request that resends the conversation (prompt_is_context, the HTTP front's x-session-id) and is refused
+// leaves nothing behind: no session created for an unknown id, no history cut on a known one.
+TEST_P(EngineTest, RefusedContextRequestLeavesSessionsAsTheyWere) {
+  Start();
+  GenerateParams fresh = Greedy(Prompt(40, 2), 1000, "fresh");  // 40 + 1000 > 256: refused
+  fresh.prompt_is_context = true;
+  fresh.create_ttl_s = 60;
+  EXPECT_EQ(engine_->Submit(fresh).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->GetSession("", "fresh", false).status().code(), StatusCode::kNotFound);
+  fresh.max_tokens = 4;  // the same request within the context creates it
+  EXPECT_EQ(Run(fresh).final.finish, FinishReason::kLength);
+  EXPECT_EQ(engine_->GetSession("", "fresh", false)->n_tokens, 44);
+
+  const std::vector<int> history = Prompt(100, 1);
+  ASSERT_TRUE(engine_->CreateSession("", "h", 0, 0, history).ok());
+  std::vector<int> diverging(history.begin(), history.begin() + 50);
+  const std::vector<int> other = Prompt(30, 7);
+  diverging.insert(diverging.end(), other.begin(), other.end());
+  GenerateParams cut = Greedy(diverging, 500, "h");  // 80 + 500 > 256: refused
+  cut.prompt_is_context = true;
+  EXPECT_EQ(engine_->Submit(cut).status().code(), StatusCode::kInvalidArgument);
+  auto after = engine_->GetSession("", "h", true);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tokens, history);
+  cut.max_tokens = 4;  // accepted: now the history is cut to the 50 shared tokens
+  EXPECT_EQ(Run(cut).final.finish, FinishReason::kLength);
+  EXPECT_EQ(engine_->GetSession("", "h", false)->n_tokens, 84);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
 // A turn that dropped history and was then cancelled leaves the session's history and count as they were.
 TEST_P(EngineTest, CancelledTurnRestoresDroppedHistory) {
   Start();
