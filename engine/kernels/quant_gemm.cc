@@ -295,13 +295,29 @@ void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRows&
 #define QKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 // A column pair's 32-value groups j as one zmm of unsigned bytes, offset by 128 (the weight w is w + 128).
-// The 4-bit types decode both columns' nibbles in one pass; the others pair the AVX2 decoders' ymm.
+// The 4-, 5- and 6-bit types decode both columns in one 512-bit pass (fifth bits through a 64-bit mask);
+// the others (Q8_0, Q2_K, Q3_K) pair the AVX2 decoders' ymm.
 QKV_AVX512_VNNI inline __m512i NibblePair(const uint8_t* p0, const uint8_t* p1) {
   // [p0 | p1] → [p0 | p1 | p0 >> 4 | p1 >> 4] → low nibbles → [p0 lo, p0 hi, p1 lo, p1 hi] (value order).
   const __m256i x = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0));
   const __m512i z = _mm512_inserti64x4(_mm512_zextsi256_si512(x), _mm256_srli_epi16(x, 4), 1);
   const __m512i n = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
   return _mm512_maskz_permutexvar_epi64(0xFF, _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), n);
+}
+// The fifth bits of two 32-value blocks (32 bits at p0, 32 at p1, bit i = value i) as bytes 0x10 or 0.
+QKV_AVX512_VNNI inline __m512i HighBitPair(const uint8_t* p0, const uint8_t* p1) {
+  uint32_t lo, hi;
+  std::memcpy(&lo, p0, 4);
+  std::memcpy(&hi, p1, 4);
+  return _mm512_maskz_mov_epi8(static_cast<__mmask64>(lo) | (static_cast<__mmask64>(hi) << 32), _mm512_set1_epi8(0x10));
+}
+// Per-16 scales of a column pair: [p0[0] × 4, p0[1] × 4, p1[0] × 4, p1[1] × 4] (two 8-byte loads, one permute).
+QKV_AVX512_VNNI inline __m512 Per16Pair(const float* p0, const float* p1) {
+  double d0, d1;
+  std::memcpy(&d0, p0, 8);
+  std::memcpy(&d1, p1, 8);
+  const __m512 v = _mm512_zextps128_ps512(_mm_castpd_ps(_mm_setr_pd(d0, d1)));
+  return _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), v);
 }
 // The IQ4 codebook plus 128, for vpshufb in each 128-bit lane.
 QKV_AVX512_VNNI inline __m512i Iq4Pair(__m512i idx) {
@@ -319,6 +335,30 @@ QKV_AVX512_VNNI inline __m512i WeightPair(const uint8_t* b0, const uint8_t* b1, 
     return Iq4Pair(NibblePair(b0 + 2, b1 + 2));
   } else if constexpr (std::is_same_v<D, DecIq4Xs>) {
     return Iq4Pair(NibblePair(b0 + 8 + 16 * j, b1 + 8 + 16 * j));
+  } else if constexpr (std::is_same_v<D, DecQ4_1>) {
+    return _mm512_or_si512(NibblePair(b0 + 4, b1 + 4), _mm512_set1_epi8(static_cast<char>(0x80)));  // q + 128
+  } else if constexpr (std::is_same_v<D, DecQ5_0>) {
+    return _mm512_add_epi8(_mm512_or_si512(NibblePair(b0 + 6, b1 + 6), HighBitPair(b0 + 2, b1 + 2)),
+                           _mm512_set1_epi8(112));  // (q − 16) + 128
+  } else if constexpr (std::is_same_v<D, DecQ5_1>) {
+    return _mm512_or_si512(_mm512_or_si512(NibblePair(b0 + 8, b1 + 8), HighBitPair(b0 + 4, b1 + 4)),
+                           _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (std::is_same_v<D, DecQ45_K<true>>) {
+    const size_t at = 48 + static_cast<size_t>(j / 2) * 32;
+    const __m512i v = _mm512_inserti64x4(_mm512_zextsi256_si512(Load256(b0 + at)), Load256(b1 + at), 1);
+    const __m512i q = _mm512_and_si512((j % 2) ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+    const __m512i qh = _mm512_inserti64x4(_mm512_zextsi256_si512(Load256(b0 + 16)), Load256(b1 + 16), 1);
+    const __mmask64 hb = _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << j)));
+    return _mm512_or_si512(_mm512_or_si512(q, _mm512_maskz_mov_epi8(hb, _mm512_set1_epi8(0x10))),
+                           _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (std::is_same_v<D, DecQ6_K>) {
+    const int h = j / 4, sh = j % 4;
+    const size_t at = static_cast<size_t>(h) * 64 + (sh & 1) * 32, hat = 128 + static_cast<size_t>(h) * 32;
+    const __m512i l = _mm512_inserti64x4(_mm512_zextsi256_si512(Load256(b0 + at)), Load256(b1 + at), 1);
+    const __m512i lo = _mm512_and_si512((sh >> 1) ? _mm512_srli_epi16(l, 4) : l, _mm512_set1_epi8(0x0F));
+    const __m512i qh = _mm512_inserti64x4(_mm512_zextsi256_si512(Load256(b0 + hat)), Load256(b1 + hat), 1);
+    const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * sh)), _mm512_set1_epi8(3));
+    return _mm512_add_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), _mm512_set1_epi8(96));  // (q − 32) + 128
   } else if constexpr (std::is_same_v<D, DecQ45_K<false>>) {
     const size_t at = 16 + static_cast<size_t>(j / 2) * 32;
     const __m512i v = _mm512_inserti64x4(_mm512_zextsi256_si512(Load256(b0 + at)), Load256(b1 + at), 1);
@@ -371,16 +411,8 @@ QKV_AVX512_VNNI void DotTile512(const uint8_t* const* w, size_t stride, int k, c
             off = _mm512_insertf32x8(_mm512_zextps256_ps512(_mm256_set1_ps(off16[c0][2 * j])),
                                      _mm256_set1_ps(off16[c1][2 * j]), 1);
         } else {
-          sc = _mm512_setr_ps(sc16[c0][2 * j], sc16[c0][2 * j], sc16[c0][2 * j], sc16[c0][2 * j], sc16[c0][2 * j + 1],
-                              sc16[c0][2 * j + 1], sc16[c0][2 * j + 1], sc16[c0][2 * j + 1], sc16[c1][2 * j],
-                              sc16[c1][2 * j], sc16[c1][2 * j], sc16[c1][2 * j], sc16[c1][2 * j + 1],
-                              sc16[c1][2 * j + 1], sc16[c1][2 * j + 1], sc16[c1][2 * j + 1]);
-          if constexpr (kOff)
-            off =
-                _mm512_setr_ps(off16[c0][2 * j], off16[c0][2 * j], off16[c0][2 * j], off16[c0][2 * j],
-                               off16[c0][2 * j + 1], off16[c0][2 * j + 1], off16[c0][2 * j + 1], off16[c0][2 * j + 1],
-                               off16[c1][2 * j], off16[c1][2 * j], off16[c1][2 * j], off16[c1][2 * j],
-                               off16[c1][2 * j + 1], off16[c1][2 * j + 1], off16[c1][2 * j + 1], off16[c1][2 * j + 1]);
+          sc = Per16Pair(&sc16[c0][2 * j], &sc16[c1][2 * j]);
+          if constexpr (kOff) off = Per16Pair(&off16[c0][2 * j], &off16[c1][2 * j]);
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
