@@ -12,6 +12,7 @@
 
 #include "engine/bf16.h"
 #include "engine/kernels/cpu.h"
+#include "tests/test_util.h"
 
 namespace qkv {
 namespace {
@@ -118,7 +119,7 @@ TEST(Linear, PackedBackendIsUsedWhenForced) {
 // bias or not. Levels the CPU lacks are printed as skipped.
 TEST(Linear, PackedGivesTheSameBitsAtEveryKernelLevel) {
   ScopedEnv env("QKV_GEMM", "packed");
-  const KernelIsa saved = ActiveKernelIsa();
+  testing::KernelLevelGuard guard;
   if (CpuKernelIsa() < KernelIsa::kAvx512) {
     std::printf("kernel level avx512: skipped (this CPU has up to %s)\n", KernelIsaName(CpuKernelIsa()));
     GTEST_SKIP() << "one kernel level only";
@@ -149,7 +150,6 @@ TEST(Linear, PackedGivesTheSameBitsAtEveryKernelLevel) {
       }
     }
   }
-  SetKernelIsaForTesting(saved);
   std::printf("kernel levels avx2 and avx512: same bits\n");
 }
 

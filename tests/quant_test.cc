@@ -13,6 +13,7 @@
 #include "engine/bf16.h"
 #include "engine/kernels/cpu.h"
 #include "engine/kernels/linear.h"
+#include "tests/test_util.h"
 
 namespace qkv {
 namespace {
@@ -186,19 +187,13 @@ std::vector<KernelIsa> KernelLevels() {
   return v;
 }
 
-// Restores the process's kernel level when a test ends.
-struct KernelLevelGuard {
-  KernelIsa saved = ActiveKernelIsa();
-  ~KernelLevelGuard() { SetKernelIsaForTesting(saved); }
-};
-
 // The kernel gives exactly the bits of the lane-by-lane scalar description, for every type, at every
 // kernel level this CPU has (AVX2 maddubs; AVX-512 VNNI two columns per zmm), and for tiles of every shape
 // (M = 1..9 covers the 1-row and 4-row tiles and their remainders; N = 37 the 4-, 2- and 1-column ones).
 TEST(QuantLinear, MatchesScalarDescriptionBitForBit) {
   const int k = 512, n = 37;
   GemmRuntime rt(2);
-  KernelLevelGuard guard;
+  testing::KernelLevelGuard guard;
   for (KernelIsa level : KernelLevels()) {
     SetKernelIsaForTesting(level);
     std::printf("kernel level %s: checked\n", KernelIsaName(level));
@@ -227,7 +222,7 @@ TEST(QuantLinear, RowsAreIndependentOfMAndThreads) {
   const int k = 768, n = 203;  // k: three super-blocks; n: odd, so slices and tiles have remainders
   const auto bias = Normal(n, 6);
   GemmRuntime rt2(2), rt1(1);
-  KernelLevelGuard guard;
+  testing::KernelLevelGuard guard;
   for (KernelIsa level : KernelLevels()) {
     SetKernelIsaForTesting(level);
     for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_1, GgmlType::kIQ4_XS}) {

@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "engine/kernels/cpu.h"
 #include "engine/model_config.h"
 #include "engine/random_model.h"
 
@@ -15,5 +16,11 @@ ModelConfig SmallConfig(Arch arch = Arch::kLlama);
 // Writes a random model for cfg and returns its path.
 std::string WriteModel(const ModelConfig& cfg, const std::string& name, uint64_t seed = 1,
                        GgmlType dtype = GgmlType::kF32);
+
+// Restores the process's kernel level (kernels/cpu.h) when a test that switches levels ends, also early.
+struct KernelLevelGuard {
+  KernelIsa saved = ActiveKernelIsa();
+  ~KernelLevelGuard() { SetKernelIsaForTesting(saved); }
+};
 
 }  // namespace qkv::testing

@@ -28,7 +28,7 @@ StatusOr<KernelIsa> KernelIsaFromEnv();
 // The level in use (QKV_MAX_ISA must have been validated by KernelIsaFromEnv; an invalid value counts as
 // no cap here).
 KernelIsa ActiveKernelIsa();
-// Test hook: overrides the level for this process (nullopt-like: pass the CPU's level to undo).
+// Test hook: sets the level for this process, at most the CPU's (tests/test_util.h restores it).
 void SetKernelIsaForTesting(KernelIsa isa);
 
 }  // namespace qkv

@@ -241,9 +241,6 @@ void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRows&
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const RowPtrs<R> rows(a, r0);
-  const int8_t* const* aq = rows.q;
-  const float* const* as = rows.scale;
-  const float* const* a4 = rows.sum4;
   constexpr int G = D::kValues / 32;
   float sc16[C][16], off16[C][16];
   for (int sb = 0; sb < k / D::kValues; ++sb) {
@@ -256,8 +253,8 @@ void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRows&
       __m256 asv[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        av[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[r] + 32 * b));
-        asv[r] = _mm256_broadcast_ss(as[r] + b);
+        av[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.q[r] + 32 * b));
+        asv[r] = _mm256_broadcast_ss(rows.scale[r] + b);
       }
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
@@ -278,7 +275,7 @@ void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRows&
           const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(av[r], wv));
           const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
           acc[r][c] = _mm256_fmadd_ps(p, _mm256_mul_ps(sc, asv[r]), acc[r][c]);
-          if constexpr (kOff) acc[r][c] = _mm256_fnmadd_ps(off, _mm256_loadu_ps(a4[r] + 8 * b), acc[r][c]);
+          if constexpr (kOff) acc[r][c] = _mm256_fnmadd_ps(off, _mm256_loadu_ps(rows.sum4[r] + 8 * b), acc[r][c]);
         }
       }
     }
@@ -379,9 +376,6 @@ QKV_AVX512_VNNI void DotTile512(const uint8_t* const* w, size_t stride, int k, c
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_setzero_ps();
   const RowPtrs<R> rows(a, r0);
-  const int8_t* const* aq = rows.q;
-  const float* const* as = rows.scale;
-  const float* const* a4 = rows.sum4;
   constexpr int G = D::kValues / 32;
   float sc16[C][16], off16[C][16];
   for (int sb = 0; sb < k / D::kValues; ++sb) {
@@ -394,10 +388,10 @@ QKV_AVX512_VNNI void DotTile512(const uint8_t* const* w, size_t stride, int k, c
       __m512 asv[R], a4v[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        av[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[r] + 32 * b)));
+        av[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.q[r] + 32 * b)));
         corr[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, av[r]));
-        asv[r] = _mm512_set1_ps(as[r][b]);
-        if constexpr (kOff) a4v[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(a4[r] + 8 * b));
+        asv[r] = _mm512_set1_ps(rows.scale[r][b]);
+        if constexpr (kOff) a4v[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(rows.sum4[r] + 8 * b));
       }
 #pragma GCC unroll 4
       for (int p = 0; p < CP; ++p) {
