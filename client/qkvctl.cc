@@ -428,7 +428,19 @@ int InfoCmd(const Common& c, pb::Inference::Stub& stub) {
             {"gemm", m.gemm()},
             {"instance_id", m.instance_id()},
             {"chat_template", m.chat_template()},
-            {"chat_stop", std::vector<std::string>(m.chat_stop().begin(), m.chat_stop().end())}};
+            {"chat_stop", std::vector<std::string>(m.chat_stop().begin(), m.chat_stop().end())},
+            {"rope_scaling", m.rope_scaling()}};
+  if (m.rope_scaling() != "none") {
+    j["rope_scaling_factor"] = m.rope_scaling_factor();
+    j["rope_original_context"] = m.rope_original_context();
+  }
+  if (m.attention() == "MLA") {
+    j["kv_lora_rank"] = m.kv_lora_rank();
+    j["q_lora_rank"] = m.q_lora_rank();
+    j["qk_nope_head_dim"] = m.qk_nope_head_dim();
+    j["qk_rope_head_dim"] = m.qk_rope_head_dim();
+    j["v_head_dim"] = m.v_head_dim();
+  }
   if (c.json_out) {
     std::cout << j.dump() << "\n";
   } else {

@@ -6,11 +6,12 @@
 // The KV arena: K and V of every layer, cut into blocks of block_size token slots.
 //
 // Layout of each of K and V: [layer][block][kv_head][one head's region], so one kv head's keys inside a
-// block are contiguous. The attention kernel (kernels/attention.h) decides the order inside a region
-// (keys transposed, values row-major). An int8 region holds the block_size × head_dim int8 values, then
-// block_size bf16 scales: one per token (per layer, kv head, and K or V), symmetric, value = q × scale. A sequence
-// addresses its tokens through a SeqKv (its block ids in position order): position p lives in block blocks[p /
-// block_size], slot p % block_size.
+// block are contiguous. The two planes may have different widths (v_dim): MLA keeps its normalized latent
+// in the K plane (kv_lora_rank) and its shared rope key in the V plane (qk_rope_dim), one "head". The attention kernel
+// (kernels/attention.h) decides the order inside a region (keys transposed, values row-major). An int8 region holds the
+// block_size × head_dim int8 values, then block_size bf16 scales: one per token (per layer, kv head, and K or V),
+// symmetric, value = q × scale. A sequence addresses its tokens through a SeqKv (its block ids in position order):
+// position p lives in block blocks[p / block_size], slot p % block_size.
 //
 // This is the paged token store of the layer kinds that cache per token (layers/layer.h): each such layer
 // was handed one arena layer at load. The arena is allocated and touched once at start-up. This class only
@@ -34,11 +35,15 @@ inline int64_t KvVectorBytes(DType dt, int n) { return int64_t{n} * DTypeBytes(d
 struct KvCacheShape {
   int n_layers = 0;
   int n_kv_heads = 0;
-  int head_dim = 0;
+  int head_dim = 0;  // width of a K-plane vector
   int block_size = 16;
   int64_t n_blocks = 0;
   DType dtype = DType::kBF16;
-  int64_t bytes_per_token() const { return int64_t{n_layers} * 2 * n_kv_heads * KvVectorBytes(dtype, head_dim); }
+  int v_dim = 0;  // width of a V-plane vector; 0: head_dim
+  int value_dim() const { return v_dim > 0 ? v_dim : head_dim; }
+  int64_t bytes_per_token() const {
+    return int64_t{n_layers} * n_kv_heads * (KvVectorBytes(dtype, head_dim) + KvVectorBytes(dtype, value_dim()));
+  }
   int64_t bytes_per_block() const { return bytes_per_token() * block_size; }
 };
 
@@ -57,23 +62,23 @@ class KvCache {
   const KvCacheShape& shape() const { return shape_; }
   int64_t arena_bytes() const { return bytes_; }
 
-  // Start of the keys (values) of one kv head in one block: block_size vectors of head_dim elements (for
-  // int8, followed by their block_size scales).
-  uint8_t* K(int layer, int block, int head) { return k_ + Offset(layer, block, head); }
-  uint8_t* V(int layer, int block, int head) { return v_ + Offset(layer, block, head); }
-  const uint8_t* K(int layer, int block, int head) const { return k_ + Offset(layer, block, head); }
-  const uint8_t* V(int layer, int block, int head) const { return v_ + Offset(layer, block, head); }
+  // Start of the keys (values) of one kv head in one block: block_size vectors of head_dim (value_dim)
+  // elements (for int8, followed by their block_size scales).
+  uint8_t* K(int layer, int block, int head) { return k_ + Offset(layer, block, head, k_stride_); }
+  uint8_t* V(int layer, int block, int head) { return v_ + Offset(layer, block, head, v_stride_); }
+  const uint8_t* K(int layer, int block, int head) const { return k_ + Offset(layer, block, head, k_stride_); }
+  const uint8_t* V(int layer, int block, int head) const { return v_ + Offset(layer, block, head, v_stride_); }
   // Copies all layers' K and V of block src into block dst (copy-on-write of a shared block).
   void CopyBlock(int src, int dst);
 
  private:
   KvCache() = default;
-  size_t Offset(int layer, int block, int head) const {
-    return ((static_cast<size_t>(layer) * shape_.n_blocks + block) * shape_.n_kv_heads + head) * head_stride_;
+  size_t Offset(int layer, int block, int head, size_t stride) const {
+    return ((static_cast<size_t>(layer) * shape_.n_blocks + block) * shape_.n_kv_heads + head) * stride;
   }
   KvCacheShape shape_;
-  size_t head_stride_ = 0;  // bytes of one head's slots in a block
-  int64_t bytes_ = 0;       // K and V together
+  size_t k_stride_ = 0, v_stride_ = 0;  // bytes of one head's slots in a block, per plane
+  int64_t bytes_ = 0;                   // K and V together
   uint8_t* k_ = nullptr;
   uint8_t* v_ = nullptr;
 };

@@ -86,7 +86,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     m->rt_ = std::make_unique<GemmRuntime>(opt.n_threads);
     const ModelConfig& c = m->cfg_;
     m->max_ctx_ = opt.max_context > 0 ? std::min(opt.max_context, c.context_length) : c.context_length;
-    m->rope_ = std::make_unique<RopeTable>(c.rotary_dim, c.rope_theta, m->max_ctx_);
+    const RopeParams rp = c.Rope();
+    m->rope_ = std::make_unique<RopeTable>(
+        c.rotary_dim, c.rope_theta, m->max_ctx_,
+        RopeScale{rp.freq_scale, rp.yarn, rp.orig_ctx, rp.beta_fast, rp.beta_slow, rp.magnitude});
+    m->rows_cap_ = (opt.max_batch_tokens + kTileRows - 1) / kTileRows * kTileRows;
     QKV_RETURN_IF_ERROR(m->LoadWeights(*f));
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), m->weights_summary(),
@@ -101,6 +105,10 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   ks.n_layers = m->kv_layers_;
   ks.n_kv_heads = c.n_kv_heads;
   ks.head_dim = c.head_dim;
+  if (c.is_mla()) {  // the latent in the K plane, the shared rope key in the V plane (kernels/mla_attention.h)
+    ks.head_dim = c.mla.kv_lora_rank;
+    ks.v_dim = c.rotary_dim;
+  }
   ks.block_size = opt.block_size;
   ks.dtype = opt.kv_dtype;
   const int64_t ctx_blocks = (m->max_ctx_ + opt.block_size - 1) / opt.block_size;
@@ -132,22 +140,29 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
                ks.block_size, ks.n_blocks * ks.block_size, static_cast<double>(m->layout_.token_bytes()) / (1 << 20),
                ks.bytes_per_token(), DTypeName(ks.dtype));
   // Scratch for the largest batch.
-  const int rows = (opt.max_batch_tokens + kTileRows - 1) / kTileRows * kTileRows;
-  m->rows_cap_ = rows;
+  const int rows = m->rows_cap_;
   const int qkv_n = c.q_dim() * (c.attn_output_gate ? 2 : 1) + 2 * c.kv_dim();
   const size_t R = static_cast<size_t>(rows);
   m->x_.assign(R * c.hidden, 0);
   m->h_.assign(R * c.hidden, 0);
-  m->qkv_.assign(R * qkv_n, 0);
-  m->attn_.assign(R * c.q_dim(), 0);
+  if (!c.is_mla()) {  // the MLA layer kind holds its own (mla_attention.cc)
+    m->qkv_.assign(R * qkv_n, 0);
+    m->attn_.assign(R * c.q_dim(), 0);
+  }
   m->tmp_.assign(R * c.hidden, 0);
   m->gu_.assign(R * 2 * c.ffn, 0);
   m->act_.assign(R * c.ffn, 0);
   m->logits_.assign(R * c.vocab, 0);
   // Only layers on oneDNN's bf16 GEMM take bf16 input; the packed GEMM reads the f32 activations.
-  if (m->compute_dtype() == DType::kBF16) m->in_lp_.assign(R * std::max({c.hidden, c.q_dim(), c.ffn}), 0);
-  const int group = c.n_heads / c.n_kv_heads;
-  m->attn_scratch_stride_ = AttentionScratchFloats(group, m->max_ctx_, c.head_dim, opt.block_size) + 16;
+  if (m->compute_dtype() == DType::kBF16) {
+    int widest = std::max({c.hidden, c.q_dim(), c.ffn});
+    for (const auto& l : m->layers_) l->ForEachLinear([&](const Linear& lin) { widest = std::max(widest, lin.k()); });
+    m->in_lp_.assign(R * widest, 0);
+  }
+  size_t per_thread = 0;
+  for (const auto& l : m->layers_)
+    per_thread = std::max(per_thread, l->scratch_floats_per_thread(m->max_ctx_, opt.block_size));
+  m->attn_scratch_stride_ = per_thread + 16;
   m->attn_scratch_.assign(m->attn_scratch_stride_ * opt.n_threads, 0);
   m->tok_chunk_.resize(opt.max_batch_tokens);
   m->tok_pos_.resize(opt.max_batch_tokens);
@@ -191,8 +206,16 @@ Status Model::LoadWeights(const GgufFile& f) {
   for (int l = 0; l < c.n_layers; ++l) {
     for (std::string_view name : ModelLayerKinds(c, l)) {
       QKV_ASSIGN_OR_RETURN(const LayerKind* kind, FindLayerKind(name));
-      LayerInit in{
-          f, c, l, *rt_, dt, opt_.keep_quantized, opt_.kv_dtype, kind->caches_tokens ? kv_layers_++ : -1, rope_.get()};
+      LayerInit in{f,
+                   c,
+                   l,
+                   *rt_,
+                   dt,
+                   opt_.keep_quantized,
+                   opt_.kv_dtype,
+                   kind->caches_tokens ? kv_layers_++ : -1,
+                   rope_.get(),
+                   rows_cap_};
       QKV_ASSIGN_OR_RETURN(std::unique_ptr<Layer> layer, kind->make(in));
       weight_bytes_ += layer->weight_bytes();
       weight_bytes_per_token_ += layer->weight_bytes_per_token();
@@ -207,6 +230,7 @@ size_t Model::scratch_bytes() const {
   for (const auto* v : {&x_, &h_, &qkv_, &attn_, &tmp_, &gu_, &act_, &logits_, &attn_scratch_})
     n += v->capacity() * sizeof(float);
   n += in_lp_.capacity() * sizeof(uint16_t);
+  for (const auto& l : layers_) n += l->scratch_bytes();
   return n + rt_->scratch_bytes();
 }
 
@@ -266,8 +290,9 @@ Status Model::Forward(std::span<const BatchChunk> batch, CacheStores& cache) {
   const ModelConfig& c = cfg_;
   const KvCacheShape& have = cache.layout().tokens;
   if (have.n_layers != layout_.tokens.n_layers || have.n_kv_heads != layout_.tokens.n_kv_heads ||
-      have.head_dim != layout_.tokens.head_dim || have.block_size != layout_.tokens.block_size ||
-      have.dtype != layout_.tokens.dtype || cache.layout().state_bytes_per_seq != layout_.state_bytes_per_seq) {
+      have.head_dim != layout_.tokens.head_dim || have.value_dim() != layout_.tokens.value_dim() ||
+      have.block_size != layout_.tokens.block_size || have.dtype != layout_.tokens.dtype ||
+      cache.layout().state_bytes_per_seq != layout_.state_bytes_per_seq) {
     return InvalidArgument("forward: the cache stores were not made for this model's cache layout");
   }
   // Validate the whole batch before touching anything.

@@ -1,5 +1,7 @@
 #include "engine/model_config.h"
 
+#include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -10,18 +12,83 @@ const char* ArchName(Arch a) {
     case Arch::kLlama: return "llama";
     case Arch::kQwen2: return "qwen2";
     case Arch::kQwen3: return "qwen3";
+    case Arch::kDeepseek2: return "deepseek2";
   }
   return "?";
+}
+
+const char* RopeScalingName(RopeScaling s) {
+  switch (s) {
+    case RopeScaling::kNone: return "none";
+    case RopeScaling::kLinear: return "linear";
+    case RopeScaling::kYarn: return "yarn";
+  }
+  return "?";
+}
+
+namespace {
+
+StatusOr<RopeScaling> ParseRopeScaling(const std::string& s) {
+  if (s == "none") return RopeScaling::kNone;
+  if (s == "linear") return RopeScaling::kLinear;
+  if (s == "yarn") return RopeScaling::kYarn;
+  return Unimplemented("rope scaling '" + s + "' is not supported (supported: none, linear, yarn)");
+}
+
+// llama.cpp's "lite" rule for deepseek2: these models have no low-rank query path (and no q_lora_rank).
+bool DeepseekLite(int n_layers, int vocab) {
+  return n_layers == 26 || n_layers == 27 || (n_layers == 48 && vocab == 128256);
+}
+
+// YaRN's magnitude correction, as llama.cpp's get_mscale.
+double GetMscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+}  // namespace
+
+RopeParams ModelConfig::Rope() const {
+  RopeParams r;
+  r.rotary_dim = rotary_dim;
+  r.theta = rope_theta;
+  r.freq_scale = rope_scaling == RopeScaling::kNone ? 1.0 : 1.0 / rope_factor;
+  r.yarn = rope_scaling == RopeScaling::kYarn;
+  r.orig_ctx = rope_orig_ctx > 0 ? rope_orig_ctx : context_length;
+  // llama.cpp's yarn_attn_factor (llama-context.cpp), then the factor ggml's rope_yarn applies on top.
+  double attn = 1.0;
+  if (r.yarn) {
+    const double factor = 1.0 / r.freq_scale;
+    if (rope_yarn_log_mul != 0.0) {
+      const double m = arch == Arch::kDeepseek2 && rope_yarn_log_mul != 1.0 ? rope_yarn_log_mul : 1.0;
+      attn = GetMscale(factor, m) / GetMscale(factor, rope_yarn_log_mul);
+    } else {
+      attn = GetMscale(factor, 1.0);
+    }
+    attn *= 1.0 / (1.0 + 0.1 * std::log(factor));
+  }
+  attn *= rope_attn_factor;
+  r.magnitude = attn * (r.yarn ? 1.0 + 0.1 * std::log(1.0 / r.freq_scale) : 1.0);
+  return r;
+}
+
+float ModelConfig::AttentionScale() const {
+  if (!is_mla()) return 1.0f / std::sqrt(static_cast<float>(head_dim));
+  // deepseek2.cpp: mscale = attn_factor_org × (1 + 0.1 × yarn_log_mul × ln(1 / freq_scale)), where
+  // attn_factor_org cancels YaRN's own adjustment; kq_scale = mscale² / sqrt(qk_nope + qk_rope).
+  const RopeParams r = Rope();
+  const double attn_org = r.yarn ? r.magnitude : r.magnitude * (1.0 + 0.1 * std::log(1.0 / r.freq_scale));
+  const auto mscale = static_cast<float>(attn_org * (1.0 + 0.1 * rope_yarn_log_mul * std::log(1.0 / r.freq_scale)));
+  return mscale * mscale / std::sqrt(static_cast<float>(mla_qk_dim()));
 }
 
 StatusOr<Arch> ParseArch(const std::string& s) {
   if (s == "llama") return Arch::kLlama;
   if (s == "qwen2") return Arch::kQwen2;
   if (s == "qwen3") return Arch::kQwen3;
-  return InvalidArgument("unsupported architecture '" + s + "' (supported: llama, qwen2, qwen3)");
+  if (s == "deepseek2") return Arch::kDeepseek2;
+  return InvalidArgument("unsupported architecture '" + s + "' (supported: llama, qwen2, qwen3, deepseek2)");
 }
 
 const char* ModelConfig::AttentionKind() const {
+  if (is_mla()) return "MLA";
   if (n_kv_heads == n_heads) return "MHA";
   if (n_kv_heads == 1) return "MQA";
   return "GQA";
@@ -29,6 +96,14 @@ const char* ModelConfig::AttentionKind() const {
 
 int64_t ModelConfig::ParameterCount() const {
   const int64_t h = hidden;
+  if (is_mla()) {
+    const int64_t nh = n_heads, R = mla.kv_lora_rank, P = rotary_dim, dk = mla_qk_dim(), dv = mla.v_head_dim;
+    const int64_t q =
+        mla.q_lora_rank > 0 ? h * mla.q_lora_rank + mla.q_lora_rank + int64_t{mla.q_lora_rank} * nh * dk : h * nh * dk;
+    const int64_t attn = q + h * (R + P) + R + nh * R * (mla.qk_nope_dim + dv) + nh * dv * h;
+    const int64_t layer = attn + 3 * h * ffn + 2 * h;
+    return layer * n_layers + int64_t{vocab} * h * (tied_embeddings ? 1 : 2) + h;
+  }
   const int64_t qrows = int64_t{q_dim()} * (attn_output_gate ? 2 : 1);
   int64_t layer = h * (qrows + 2 * kv_dim()) + int64_t{q_dim()} * h + 3 * h * ffn + 2 * h;
   if (attention_bias) layer += qrows + 2 * kv_dim();
@@ -53,6 +128,28 @@ Status ModelConfig::Validate() const {
   if (context_length <= 0 || context_length > 1 << 22) return bad("context length must be in 1..4194304");
   if (!(rope_theta > 0)) return bad("rope_theta must be positive");
   if (!(rms_eps > 0) || rms_eps > 1) return bad("rms_norm_eps must be in (0, 1]");
+  if (rope_scaling != RopeScaling::kNone && !(rope_factor >= 1.0 && rope_factor <= 1024.0)) {
+    return bad("rope_scaling.factor must be in 1..1024");
+  }
+  if (rope_orig_ctx < 0 || rope_orig_ctx > 1 << 22)
+    return bad("rope_scaling.original_max_position_embeddings out of range");
+  if (!std::isfinite(rope_attn_factor) || !(rope_attn_factor > 0)) return bad("rope attention factor must be positive");
+  if (!std::isfinite(rope_yarn_log_mul) || std::fabs(rope_yarn_log_mul) > 100)
+    return bad("mscale_all_dim out of range");
+  if (is_mla()) {
+    if (mla.kv_lora_rank <= 0 || mla.kv_lora_rank > 16384) return bad("kv_lora_rank must be in 1..16384");
+    if (mla.q_lora_rank < 0 || mla.q_lora_rank > 65536) return bad("q_lora_rank must be in 0..65536");
+    if (mla.qk_nope_dim <= 0 || mla.qk_nope_dim > 1024) return bad("qk_nope_head_dim must be in 1..1024");
+    if (mla.v_head_dim <= 0 || mla.v_head_dim > 1024) return bad("v_head_dim must be in 1..1024");
+    if (n_kv_heads != 1) return bad("deepseek2 (MLA) caches one latent per token: head_count_kv must be 1");
+    if (head_dim != mla.kv_lora_rank + rotary_dim)
+      return bad("deepseek2: key_length must be kv_lora_rank + qk_rope_head_dim");
+    if (n_dense_lead < n_layers) {
+      return Unimplemented("model config: mixture-of-experts layers are not supported yet (deepseek2 with " +
+                           std::to_string(n_layers - std::min(n_dense_lead, n_layers)) +
+                           " expert layers; only leading_dense_block_count = block_count runs)");
+    }
+  }
   return {};
 }
 
@@ -75,15 +172,85 @@ StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
   if (f.Find(p + "attention.head_count_kv")) QKV_RETURN_IF_ERROR(get_int("attention.head_count_kv", &c.n_kv_heads));
   c.head_dim = c.n_heads > 0 ? c.hidden / c.n_heads : 0;
   if (f.Find(p + "attention.key_length")) QKV_RETURN_IF_ERROR(get_int("attention.key_length", &c.head_dim));
-  if (f.Find(p + "attention.value_length")) {
-    int vlen = 0;
-    QKV_RETURN_IF_ERROR(get_int("attention.value_length", &vlen));
-    if (vlen != c.head_dim) return Unimplemented("gguf: key_length != value_length is not supported");
+  int vlen = c.head_dim;
+  if (f.Find(p + "attention.value_length")) QKV_RETURN_IF_ERROR(get_int("attention.value_length", &vlen));
+  if (vlen != c.head_dim && c.arch != Arch::kDeepseek2) {
+    return Unimplemented("gguf: key_length != value_length is not supported");
   }
   c.rotary_dim = c.head_dim;
-  if (f.Find(p + "rope.dimension_count")) QKV_RETURN_IF_ERROR(get_int("rope.dimension_count", &c.rotary_dim));
+  if (f.Find(p + "rope.dimension_count")) {
+    c.rotary_dim = 0;
+    QKV_ASSIGN_OR_RETURN(int64_t rd, f.GetInt(p + "rope.dimension_count"));
+    if (rd < 0 || rd > 65536) return InvalidArgument("gguf: metadata '" + p + "rope.dimension_count' out of range");
+    c.rotary_dim = static_cast<int>(rd);
+  }
   if (f.Find(p + "context_length")) QKV_RETURN_IF_ERROR(get_int("context_length", &c.context_length));
   c.rope_theta = f.GetFloatOr(p + "rope.freq_base", 10000.0);
+  // Rope scaling, with llama.cpp's defaults: type "linear" unless given, frequency scale 1 / factor when a
+  // factor is given (1 without one, or for type none).
+  if (f.Find(p + "rope.scaling.type")) {
+    QKV_ASSIGN_OR_RETURN(std::string st, f.GetString(p + "rope.scaling.type"));
+    QKV_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(st));
+  } else {
+    c.rope_scaling = RopeScaling::kLinear;
+  }
+  c.rope_factor = f.GetFloatOr(p + "rope.scaling.factor", 0.0);
+  if (c.rope_factor == 0.0) c.rope_factor = f.GetFloatOr(p + "rope.scale_linear", 0.0);
+  if (c.rope_factor == 0.0) {
+    if (c.rope_scaling == RopeScaling::kLinear) c.rope_scaling = RopeScaling::kNone;  // no factor: no scaling
+    c.rope_factor = 1.0;
+  }
+  if (f.Find(p + "rope.scaling.original_context_length")) {
+    QKV_RETURN_IF_ERROR(get_int("rope.scaling.original_context_length", &c.rope_orig_ctx));
+  }
+  c.rope_attn_factor = f.GetFloatOr(p + "rope.scaling.attn_factor", 1.0);
+  if (c.arch == Arch::kDeepseek2) {
+    // deepseek2.cpp's loader: the converter wrote 0.1 × mscale_all_dim, llama.cpp divides it back.
+    c.rope_yarn_log_mul = f.GetFloatOr(p + "rope.scaling.yarn_log_multiplier", 0.0) / 0.1;
+    if (f.GetFloatOr(p + "attention.temperature_scale", 0.0) != 0.0) {
+      return Unimplemented("gguf: deepseek2 attention temperature scaling is not supported");
+    }
+    // These are required by llama.cpp even when every layer is dense.
+    for (const char* k : {"expert_feed_forward_length", "expert_shared_count", "attention.kv_lora_rank"}) {
+      if (!f.Find(p + k)) return DataLoss("gguf: deepseek2 needs metadata '" + p + k + "' (llama.cpp requires it)");
+    }
+    QKV_RETURN_IF_ERROR(get_int("attention.kv_lora_rank", &c.mla.kv_lora_rank));
+    int vocab_meta = 0;
+    if (f.Find(p + "vocab_size")) QKV_RETURN_IF_ERROR(get_int("vocab_size", &vocab_meta));
+    if (vocab_meta == 0) {
+      if (const GgufTensor* e = f.FindTensor("token_embd.weight"); e && e->ne.size() == 2) {
+        vocab_meta = static_cast<int>(std::min<uint64_t>(e->ne[1], 1u << 30));
+      }
+    }
+    if (!DeepseekLite(c.n_layers, vocab_meta)) {
+      if (!f.Find(p + "attention.q_lora_rank")) {
+        return DataLoss("gguf: deepseek2 with " + std::to_string(c.n_layers) + " layers needs '" + p +
+                        "attention.q_lora_rank' (llama.cpp reads it unless the model has 26 or 27 layers)");
+      }
+      QKV_RETURN_IF_ERROR(get_int("attention.q_lora_rank", &c.mla.q_lora_rank));
+    }
+    const bool split = f.Find(p + "attention.key_length_mla") && f.Find(p + "attention.value_length_mla");
+    int dk = c.head_dim, dv = vlen;  // legacy files: key/value_length are the per-head widths
+    if (split) {
+      QKV_RETURN_IF_ERROR(get_int("attention.key_length_mla", &dk));
+      QKV_RETURN_IF_ERROR(get_int("attention.value_length_mla", &dv));
+    }
+    c.mla.legacy_kv_b = !split;
+    c.mla.qk_nope_dim = dk - c.rotary_dim;
+    c.mla.v_head_dim = dv;
+    if (c.mla.qk_nope_dim < 1) return DataLoss("gguf: deepseek2 key length must exceed rope.dimension_count");
+    c.head_dim = c.mla.kv_lora_rank + c.rotary_dim;  // the absorbed width (what the cache holds per token)
+    c.n_kv_heads = 1;
+    if (f.Find(p + "expert_count")) {
+      QKV_ASSIGN_OR_RETURN(int64_t ne, f.GetInt(p + "expert_count"));
+      c.n_experts = static_cast<int>(std::clamp<int64_t>(ne, 0, 1 << 20));
+    }
+    c.n_dense_lead = 0;
+    if (f.Find(p + "leading_dense_block_count")) {
+      QKV_ASSIGN_OR_RETURN(int64_t nd, f.GetInt(p + "leading_dense_block_count"));
+      c.n_dense_lead = static_cast<int>(std::clamp<int64_t>(nd, 0, 1 << 20));
+    }
+  }
   c.rms_eps = f.GetFloatOr(p + "attention.layer_norm_rms_epsilon", 1e-6);
   c.attn_output_gate = f.GetBoolOr(kKeyOutputGate, false);
   c.attention_sinks = f.FindTensor("blk.0.attn_sinks.weight") != nullptr;
@@ -151,6 +318,66 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
   QKV_RETURN_IF_ERROR(getb("qk_norm", &c.qk_norm));
   QKV_RETURN_IF_ERROR(getb("attn_output_gate", &c.attn_output_gate));
   QKV_RETURN_IF_ERROR(getb("attention_sinks", &c.attention_sinks));
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const nlohmann::json& rs = j["rope_scaling"];
+    if (!rs.is_object()) return InvalidArgument("config: 'rope_scaling' must be an object or null");
+    const nlohmann::json& ty = rs.contains("type") ? rs["type"] : rs.contains("rope_type") ? rs["rope_type"] : nullptr;
+    if (!ty.is_string()) return InvalidArgument("config: 'rope_scaling.type' must be a string");
+    const std::string type = ty.get<std::string>();
+    if (type != "default") {
+      QKV_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(type));
+    }
+    auto num = [&](const char* k, double dflt) -> StatusOr<double> {
+      if (!rs.contains(k) || rs[k].is_null()) return dflt;
+      if (!rs[k].is_number()) return InvalidArgument(std::string("config: 'rope_scaling.") + k + "' must be a number");
+      return rs[k].get<double>();
+    };
+    QKV_ASSIGN_OR_RETURN(c.rope_factor, num("factor", 1.0));
+    QKV_ASSIGN_OR_RETURN(double orig, num("original_max_position_embeddings", 0.0));
+    if (!(orig >= 0 && orig <= (1 << 22))) {
+      return InvalidArgument("config: 'rope_scaling.original_max_position_embeddings' out of range");
+    }
+    c.rope_orig_ctx = static_cast<int>(orig);
+    // llama.cpp reads no beta keys for these architectures (its defaults 32 and 1 always apply), so a file
+    // cannot carry other values faithfully.
+    QKV_ASSIGN_OR_RETURN(double bf, num("beta_fast", 32.0));
+    QKV_ASSIGN_OR_RETURN(double bs, num("beta_slow", 1.0));
+    if (bf != 32.0 || bs != 1.0) {
+      return InvalidArgument(
+          "config: 'rope_scaling.beta_fast'/'beta_slow' other than 32/1 are not supported "
+          "(llama.cpp uses 32 and 1 for this architecture)");
+    }
+    if (arch == Arch::kDeepseek2) {
+      QKV_ASSIGN_OR_RETURN(c.rope_yarn_log_mul, num("mscale_all_dim", 0.0));
+    }
+  }
+  if (arch == Arch::kDeepseek2) {
+    QKV_RETURN_IF_ERROR(geti("kv_lora_rank", &c.mla.kv_lora_rank, true));
+    QKV_RETURN_IF_ERROR(geti("q_lora_rank", &c.mla.q_lora_rank, false));
+    QKV_RETURN_IF_ERROR(geti("qk_nope_head_dim", &c.mla.qk_nope_dim, true));
+    QKV_RETURN_IF_ERROR(geti("qk_rope_head_dim", &c.rotary_dim, true));
+    QKV_RETURN_IF_ERROR(geti("v_head_dim", &c.mla.v_head_dim, true));
+    QKV_RETURN_IF_ERROR(getb("legacy_kv_b", &c.mla.legacy_kv_b));
+    QKV_RETURN_IF_ERROR(geti("n_routed_experts", &c.n_experts, false));
+    c.n_dense_lead = c.n_experts > 0 ? 0 : c.n_layers;
+    if (j.contains("first_k_dense_replace") && j["first_k_dense_replace"].is_number_integer()) {
+      c.n_dense_lead = static_cast<int>(std::clamp<int64_t>(j["first_k_dense_replace"].get<int64_t>(), 0, 1 << 20));
+    }
+    const bool lite = DeepseekLite(c.n_layers, c.vocab);
+    if (lite && c.mla.q_lora_rank > 0) {
+      return InvalidArgument(
+          "config: with 26 or 27 layers llama.cpp reads no q_lora_rank (queries come from "
+          "attn_q): set 'q_lora_rank' to null");
+    }
+    if (!lite && c.mla.q_lora_rank == 0) {
+      return InvalidArgument(
+          "config: 'q_lora_rank' null needs 26 or 27 layers (llama.cpp decides from the layer "
+          "count whether queries have a low-rank path)");
+    }
+    c.head_dim = c.mla.kv_lora_rank + c.rotary_dim;
+    c.n_kv_heads = 1;
+    c.attention_bias = c.qk_norm = c.attn_output_gate = c.attention_sinks = false;
+  }
   QKV_RETURN_IF_ERROR(c.Validate());
   return c;
 }
@@ -165,10 +392,36 @@ void ModelConfig::ToGguf(GgufWriter& w) const {
   w.SetU32(p + "block_count", static_cast<uint32_t>(n_layers));
   w.SetU32(p + "feed_forward_length", static_cast<uint32_t>(ffn));
   w.SetU32(p + "attention.head_count", static_cast<uint32_t>(n_heads));
-  w.SetU32(p + "attention.head_count_kv", static_cast<uint32_t>(n_kv_heads));
-  w.SetU32(p + "attention.key_length", static_cast<uint32_t>(head_dim));
-  w.SetU32(p + "attention.value_length", static_cast<uint32_t>(head_dim));
+  // deepseek2 files from before llama.cpp split attn_kv_b describe MHA (one kv head per query head).
+  w.SetU32(p + "attention.head_count_kv", static_cast<uint32_t>(is_mla() && mla.legacy_kv_b ? n_heads : n_kv_heads));
+  if (is_mla()) {  // as llama.cpp's converter writes DeepSeek-V2 (MLA as MQA with latent-wide heads)
+    w.SetU32(p + "leading_dense_block_count", static_cast<uint32_t>(n_dense_lead));
+    if (mla.q_lora_rank > 0) w.SetU32(p + "attention.q_lora_rank", static_cast<uint32_t>(mla.q_lora_rank));
+    w.SetU32(p + "attention.kv_lora_rank", static_cast<uint32_t>(mla.kv_lora_rank));
+    if (mla.legacy_kv_b) {
+      w.SetU32(p + "attention.key_length", static_cast<uint32_t>(mla_qk_dim()));
+      w.SetU32(p + "attention.value_length", static_cast<uint32_t>(mla.v_head_dim));
+    } else {
+      w.SetU32(p + "attention.key_length", static_cast<uint32_t>(head_dim));
+      w.SetU32(p + "attention.value_length", static_cast<uint32_t>(mla.kv_lora_rank));
+      w.SetU32(p + "attention.key_length_mla", static_cast<uint32_t>(mla_qk_dim()));
+      w.SetU32(p + "attention.value_length_mla", static_cast<uint32_t>(mla.v_head_dim));
+    }
+    w.SetU32(p + "expert_feed_forward_length", static_cast<uint32_t>(ffn));
+    w.SetU32(p + "expert_shared_count", 0);
+  } else {
+    w.SetU32(p + "attention.key_length", static_cast<uint32_t>(head_dim));
+    w.SetU32(p + "attention.value_length", static_cast<uint32_t>(head_dim));
+  }
   w.SetU32(p + "rope.dimension_count", static_cast<uint32_t>(rotary_dim));
+  if (rope_scaling != RopeScaling::kNone) {
+    w.SetString(p + "rope.scaling.type", RopeScalingName(rope_scaling));
+    w.SetF32(p + "rope.scaling.factor", static_cast<float>(rope_factor));
+    if (rope_orig_ctx > 0) w.SetU32(p + "rope.scaling.original_context_length", static_cast<uint32_t>(rope_orig_ctx));
+    if (is_mla() && rope_yarn_log_mul != 0.0) {
+      w.SetF32(p + "rope.scaling.yarn_log_multiplier", static_cast<float>(0.1 * rope_yarn_log_mul));
+    }
+  }
   w.SetU32(p + "vocab_size", static_cast<uint32_t>(vocab));
   w.SetF32(p + "rope.freq_base", static_cast<float>(rope_theta));
   w.SetF32(p + "attention.layer_norm_rms_epsilon", static_cast<float>(rms_eps));
@@ -183,6 +436,14 @@ std::string ModelConfig::Summary() const {
     << " rotary_dim=" << rotary_dim << " ffn=" << ffn << " vocab=" << vocab << " ctx=" << context_length
     << (tied_embeddings ? " tied" : "") << (attention_bias ? " bias" : "") << (qk_norm ? " qk_norm" : "")
     << (attn_output_gate ? " output_gate" : "") << (attention_sinks ? " sinks" : "");
+  if (is_mla()) {
+    o << " kv_lora_rank=" << mla.kv_lora_rank << " q_lora_rank=" << mla.q_lora_rank << " qk_nope=" << mla.qk_nope_dim
+      << " v_head=" << mla.v_head_dim << (mla.legacy_kv_b ? " kv_b" : "");
+  }
+  if (rope_scaling != RopeScaling::kNone) {
+    o << " rope_scaling=" << RopeScalingName(rope_scaling) << "x" << rope_factor;
+    if (rope_orig_ctx > 0) o << " orig_ctx=" << rope_orig_ctx;
+  }
   return o.str();
 }
 

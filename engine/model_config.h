@@ -11,7 +11,7 @@
 
 namespace qkv {
 
-enum class Arch { kLlama, kQwen2, kQwen3 };
+enum class Arch { kLlama, kQwen2, kQwen3, kDeepseek2 };
 
 const char* ArchName(Arch a);
 StatusOr<Arch> ParseArch(const std::string& s);
@@ -19,6 +19,33 @@ StatusOr<Arch> ParseArch(const std::string& s);
 // Keys under the project's own prefix, for features llama.cpp's metadata does not describe.
 inline constexpr const char* kKeyOutputGate = "qkvserve.attention.output_gate";
 inline constexpr const char* kKeySinks = "qkvserve.attention.sinks";
+
+// Rope scaling as llama.cpp reads it ({arch}.rope.scaling.*): none, linear (every frequency / factor) or
+// YaRN (per-pair ramp between interpolated and original frequencies, plus a magnitude factor).
+enum class RopeScaling { kNone, kLinear, kYarn };
+const char* RopeScalingName(RopeScaling s);
+
+// What RoPE and the softmax need from the scaling, computed the way llama.cpp does (llama-context.cpp,
+// ggml's rope_yarn and deepseek2's kq_scale).
+struct RopeParams {
+  int rotary_dim = 0;
+  double theta = 10000.0;
+  double freq_scale = 1.0;  // 1 / factor (linear, YaRN); 1 for none
+  bool yarn = false;        // ext_factor 1
+  int orig_ctx = 0;         // YaRN's original context
+  double beta_fast = 32.0, beta_slow = 1.0;
+  double magnitude = 1.0;  // cos/sin are multiplied by it
+};
+
+// Multi-head latent attention (DeepSeek-V2/V3): per token and layer the cache holds the normalized latent
+// (kv_lora_rank) and one rotated rope key (qk_rope_dim = rotary_dim) shared by all heads.
+struct MlaConfig {
+  int q_lora_rank = 0;       // 0: queries straight from the hidden state (attn_q)
+  int kv_lora_rank = 0;      // the latent's width
+  int qk_nope_dim = 0;       // per head, the part of q·k that goes through the latent
+  int v_head_dim = 0;        // per head, values after W_UV
+  bool legacy_kv_b = false;  // the file has one attn_kv_b instead of attn_k_b / attn_v_b
+};
 
 struct ModelConfig {
   Arch arch = Arch::kLlama;
@@ -38,14 +65,37 @@ struct ModelConfig {
   bool qk_norm = false;           // per-head RMSNorm of q and k before RoPE (qwen3)
   bool attn_output_gate = false;  // q_proj emits [query, gate] per head (Qwen3-Next layout)
   bool attention_sinks = false;   // one learnable logit per head in the softmax denominator (gpt-oss)
+  // Rope scaling ({arch}.rope.scaling.*). beta_fast/slow are llama.cpp's defaults (it reads no keys for them
+  // for these architectures); log_mul is yarn_log_multiplier as llama.cpp uses it (the file's value / 0.1
+  // for deepseek2).
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_factor = 1.0;
+  int rope_orig_ctx = 0;  // 0: the context length
+  double rope_attn_factor = 1.0;
+  double rope_yarn_log_mul = 0.0;
+  // deepseek2 (arch kDeepseek2): MLA attention; head_dim is then kv_lora_rank + rotary_dim (the absorbed
+  // query/key width, as llama.cpp's key_length) and n_kv_heads 1.
+  MlaConfig mla;
+  int n_experts = 0;  // routed experts (files with them are refused until MoE lands)
+  int n_dense_lead = 0;
+
+  bool is_mla() const { return arch == Arch::kDeepseek2; }
+  // Per head, the query/key width before absorption (qk_nope + qk_rope; llama.cpp's key_length_mla).
+  int mla_qk_dim() const { return mla.qk_nope_dim + rotary_dim; }
+  RopeParams Rope() const;
+  // The softmax scale: 1/sqrt(head_dim); deepseek2: mscale² / sqrt(qk_nope + qk_rope) (llama.cpp's kq_scale).
+  float AttentionScale() const;
 
   int q_dim() const { return n_heads * head_dim; }
   int kv_dim() const { return n_kv_heads * head_dim; }
-  // Every layer here is a full-attention layer: layers × 2 (K and V) × n_kv_heads × head_dim × bytes.
-  int64_t KvBytesPerToken(int bytes_per_element) const {
-    return int64_t{n_layers} * 2 * n_kv_heads * head_dim * bytes_per_element;
+  // Every layer here is a full-attention layer: layers × 2 (K and V) × n_kv_heads × (head_dim × bytes +
+  // scale bytes); MLA: layers × ((kv_lora_rank + qk_rope_dim) × bytes + 2 × scale bytes), one scale for the
+  // latent and one for the rope key (int8's are 2 bytes each; kv_cache.h KvVectorBytes).
+  int64_t KvBytesPerToken(int bytes_per_element, int scale_bytes = 0) const {
+    if (is_mla()) return int64_t{n_layers} * ((mla.kv_lora_rank + rotary_dim) * bytes_per_element + 2 * scale_bytes);
+    return int64_t{n_layers} * 2 * n_kv_heads * (head_dim * bytes_per_element + scale_bytes);
   }
-  const char* AttentionKind() const;  // "MHA", "GQA" or "MQA"
+  const char* AttentionKind() const;  // "MHA", "GQA", "MQA" or "MLA"
   int64_t ParameterCount() const;
 
   // Checks internal consistency (divisibility, ranges); the message names the offending field.

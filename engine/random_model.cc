@@ -43,6 +43,15 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
     w.AddTensor(name, t, {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)},
                 EncodeFromF32(v.data(), v.size(), t));
   };
+  // One [rows, cols] matrix per plane, stored as a 3-D tensor ne = {cols, rows, planes} (llama.cpp's per-head
+  // attn_k_b / attn_v_b).
+  auto planes = [&](const std::string& name, int n_planes, int rows, int cols, double stddev) {
+    std::vector<float> v = uniform(static_cast<size_t>(n_planes) * rows * cols, stddev, 0.0);
+    const std::vector<uint64_t> ne{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows),
+                                   static_cast<uint64_t>(n_planes)};
+    const GgmlType t = plan ? plan->TypeFor(name, ne, GgmlType::kF32) : GgmlFallbackType(opt.dtype, ne[0]);
+    w.AddTensor(name, t, ne, EncodeFromF32(v.data(), v.size(), t));
+  };
   auto vec = [&](const std::string& name, int n, double stddev, double mean) {
     std::vector<float> v = uniform(n, stddev, mean);
     w.AddTensor(name, GgmlType::kF32, {static_cast<uint64_t>(n)}, EncodeFromF32(v.data(), v.size(), GgmlType::kF32));
@@ -53,6 +62,31 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
   for (int l = 0; l < cfg.n_layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     vec(p + "attn_norm.weight", H, 0.1, 1.0);
+    if (cfg.is_mla()) {  // deepseek2's tensors as llama.cpp's converter writes them
+      const MlaConfig& m = cfg.mla;
+      const int nh = cfg.n_heads, R = m.kv_lora_rank, P = cfg.rotary_dim, dk = cfg.mla_qk_dim();
+      if (m.q_lora_rank > 0) {
+        matrix(p + "attn_q_a.weight", m.q_lora_rank, H, 1.0 / std::sqrt(H));
+        vec(p + "attn_q_a_norm.weight", m.q_lora_rank, 0.1, 1.0);
+        matrix(p + "attn_q_b.weight", nh * dk, m.q_lora_rank, 1.0 / std::sqrt(m.q_lora_rank));
+      } else {
+        matrix(p + "attn_q.weight", nh * dk, H, 1.0 / std::sqrt(H));
+      }
+      matrix(p + "attn_kv_a_mqa.weight", R + P, H, 1.0 / std::sqrt(H));
+      vec(p + "attn_kv_a_norm.weight", R, 0.1, 1.0);
+      if (m.legacy_kv_b) {
+        matrix(p + "attn_kv_b.weight", nh * (m.qk_nope_dim + m.v_head_dim), R, 1.0 / std::sqrt(R));
+      } else {
+        planes(p + "attn_k_b.weight", nh, R, m.qk_nope_dim, 1.0 / std::sqrt(R));
+        planes(p + "attn_v_b.weight", nh, m.v_head_dim, R, 1.0 / std::sqrt(R));
+      }
+      matrix(p + "attn_output.weight", H, nh * m.v_head_dim, 1.0 / std::sqrt(nh * m.v_head_dim));
+      vec(p + "ffn_norm.weight", H, 0.1, 1.0);
+      matrix(p + "ffn_gate.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
+      matrix(p + "ffn_up.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
+      matrix(p + "ffn_down.weight", H, cfg.ffn, 1.0 / std::sqrt(cfg.ffn));
+      continue;
+    }
     matrix(p + "attn_q.weight", q_rows, H, 1.0 / std::sqrt(H));
     matrix(p + "attn_k.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
     matrix(p + "attn_v.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));

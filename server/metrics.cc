@@ -86,7 +86,8 @@ class EngineCollectable final : public prometheus::Collectable {
           {{"", s.blocks_total ? d(s.blocks_used) / d(s.blocks_total) : 0.0}});
     gauge("qkvserve_kv_cache_slack_tokens", "allocated KV slots not yet holding a token", {{"", d(s.slack_tokens)}});
     gauge("qkvserve_kv_bytes_per_token",
-          "KV bytes per token (layers x 2 x kv heads x (head_dim x bytes + 2 for the scale of an int8 cache))",
+          "KV bytes per token (layers x 2 x kv heads x (head_dim x bytes + 2 for the scale of an int8 cache); MLA: "
+          "layers x ((kv_lora_rank + rope dims) x bytes + 2 x 2 for int8's scales)",
           {{"", d(bpt)}});
     gauge("qkvserve_kv_block_size_tokens", "tokens per KV block", {{"", d(s.block_size)}});
     counter("qkvserve_prefix_cache_queries_tokens_total", "prompt tokens looked up in the prefix cache",

@@ -610,6 +610,16 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_intermediate_size(c.ffn);
   resp->set_vocab_size(c.vocab);
   resp->set_attention(c.AttentionKind());
+  if (c.is_mla()) {
+    resp->set_kv_lora_rank(c.mla.kv_lora_rank);
+    resp->set_q_lora_rank(c.mla.q_lora_rank);
+    resp->set_qk_nope_head_dim(c.mla.qk_nope_dim);
+    resp->set_qk_rope_head_dim(c.rotary_dim);
+    resp->set_v_head_dim(c.mla.v_head_dim);
+  }
+  resp->set_rope_scaling(RopeScalingName(c.rope_scaling));
+  resp->set_rope_scaling_factor(c.rope_factor);
+  resp->set_rope_original_context(c.rope_scaling == RopeScaling::kNone ? 0 : c.Rope().orig_ctx);
   resp->set_kv_bytes_per_token(m.cache_layout().tokens.bytes_per_token());
   resp->set_context_length(m.max_context());
   const EngineStats s = engine_.Stats();

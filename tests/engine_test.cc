@@ -8,6 +8,7 @@
 #include <map>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "tests/test_util.h"
 
@@ -36,19 +37,20 @@ Result Drain(const std::shared_ptr<RequestStream>& s) {
   }
 }
 
-// Every engine test runs on a bf16 and on an int8 KV cache: sessions, prefix caching, fork with
-// copy-on-write, truncation, eviction and preemption must behave the same on both.
-class EngineTest : public ::testing::TestWithParam<DType> {
+// Every engine test runs on a bf16 and on an int8 KV cache, with grouped-query attention (qwen3) and with
+// MLA (deepseek2, a latent cache): sessions, prefix caching, fork with copy-on-write, truncation, eviction
+// and preemption must behave the same on all of them.
+class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
  protected:
   void Start(int64_t kv_blocks = 256, int max_batched = 64, int block_size = 16, bool prefix = true) {
-    cfg_ = testing::SmallConfig(Arch::kQwen3);
-    const std::string path = testing::WriteModel(cfg_, "engine_model", 5);
+    cfg_ = testing::SmallConfig(std::get<0>(GetParam()));
+    const std::string path = testing::WriteModel(cfg_, std::string("engine_model_") + ArchName(cfg_.arch), 5);
     ModelOptions mo;
     mo.n_threads = 2;
     mo.max_batch_tokens = 64;
     mo.kv_blocks = kv_blocks;
     mo.block_size = block_size;
-    mo.kv_dtype = GetParam();
+    mo.kv_dtype = std::get<1>(GetParam());
     auto m = Model::Load(path, mo);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     model_ = std::move(*m);
@@ -596,8 +598,15 @@ TEST_P(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Kv, EngineTest, ::testing::Values(DType::kBF16, DType::kI8),
-                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Kv, EngineTest,
+                         ::testing::Combine(::testing::Values(Arch::kQwen3, Arch::kDeepseek2),
+                                            ::testing::Values(DType::kBF16, DType::kI8)),
+                         [](const auto& info) {
+                           const Arch a = std::get<0>(info.param);
+                           // qwen3 keeps the suite's earlier names (bf16, int8)
+                           return (a == Arch::kQwen3 ? std::string() : std::string(ArchName(a)) + "_") +
+                                  DTypeName(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace qkv

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <random>
 
 #include "engine/chat_template.h"
@@ -154,49 +155,100 @@ TEST(Gguf, QuantizedTensorsRoundTripAndTruncationIsRefused) {
   }
 }
 
+// Rewrites a GGUF file's metadata and tensors: `drop_key` is left out, `set_u32` overrides (or adds) u32
+// keys, `drop_tensor` is left out and `swap_tensor` gets its first two dims swapped.
+std::string Rewrite(const GgufFile& f, const std::string& out_name, const std::string& drop_key,
+                    const std::map<std::string, uint32_t>& set_u32, const std::string& drop_tensor = "",
+                    const std::string& swap_tensor = "") {
+  GgufWriter w;
+  for (const auto& [key, v] : f.metadata()) {
+    if (key == drop_key || set_u32.count(key)) continue;
+    if (v.type == GgufType::kString)
+      w.SetString(key, v.s);
+    else if (v.type == GgufType::kU32)
+      w.SetU32(key, static_cast<uint32_t>(v.u));
+    else if (v.type == GgufType::kF32)
+      w.SetF32(key, static_cast<float>(v.f));
+    else if (v.type == GgufType::kBool)
+      w.SetBool(key, v.u != 0);
+    else if (v.type == GgufType::kArray && v.array_type == GgufType::kString) {
+      std::vector<std::string> s;
+      for (const auto& e : v.array) s.push_back(e.s);
+      w.SetStringArray(key, s);
+    } else if (v.type == GgufType::kArray) {
+      std::vector<int32_t> s;
+      for (const auto& e : v.array) s.push_back(static_cast<int32_t>(e.i));
+      w.SetI32Array(key, s);
+    }
+  }
+  for (const auto& [key, u] : set_u32) w.SetU32(key, u);
+  for (const GgufTensor& t : f.tensors()) {
+    if (t.name == drop_tensor) continue;
+    std::vector<uint64_t> ne = t.ne;
+    if (t.name == swap_tensor) std::swap(ne[0], ne[1]);
+    w.AddTensor(t.name, t.type, ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
+  }
+  const std::string out = testing::TempDir() + "/" + out_name + ".gguf";
+  EXPECT_TRUE(w.WriteFile(out).ok());
+  return out;
+}
+
+std::string LoadError(const std::string& path) {
+  ModelOptions mo;
+  mo.n_threads = 1;
+  auto m = Model::Load(path, mo);
+  EXPECT_FALSE(m.ok()) << path;
+  return m.ok() ? "" : m.status().ToString();
+}
+
 TEST(Gguf, ModelLoadNamesMissingAndMisshapenTensors) {
   const std::string path = testing::WriteModel(testing::SmallConfig(), "shape_src");
   auto f = GgufFile::Open(path);
   ASSERT_TRUE(f.ok());
   // Rebuild the file without one tensor, and with one tensor of the wrong shape.
-  for (int variant = 0; variant < 2; ++variant) {
-    GgufWriter w;
-    for (const auto& [key, v] : (*f)->metadata()) {
-      if (v.type == GgufType::kString)
-        w.SetString(key, v.s);
-      else if (v.type == GgufType::kU32)
-        w.SetU32(key, static_cast<uint32_t>(v.u));
-      else if (v.type == GgufType::kF32)
-        w.SetF32(key, static_cast<float>(v.f));
-      else if (v.type == GgufType::kBool)
-        w.SetBool(key, v.u != 0);
-      else if (v.type == GgufType::kArray && v.array_type == GgufType::kString) {
-        std::vector<std::string> s;
-        for (const auto& e : v.array) s.push_back(e.s);
-        w.SetStringArray(key, s);
-      } else if (v.type == GgufType::kArray) {
-        std::vector<int32_t> s;
-        for (const auto& e : v.array) s.push_back(static_cast<int32_t>(e.i));
-        w.SetI32Array(key, s);
-      }
-    }
-    for (const GgufTensor& t : (*f)->tensors()) {
-      if (variant == 0 && t.name == "blk.1.attn_k.weight") continue;
-      std::vector<uint64_t> ne = t.ne;
-      if (variant == 1 && t.name == "blk.0.ffn_down.weight") std::swap(ne[0], ne[1]);
-      w.AddTensor(t.name, t.type, ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
-    }
-    const std::string out = testing::TempDir() + "/variant" + std::to_string(variant) + ".gguf";
-    ASSERT_TRUE(w.WriteFile(out).ok());
-    ModelOptions mo;
-    mo.n_threads = 1;
-    auto m = Model::Load(out, mo);
-    ASSERT_FALSE(m.ok());
-    EXPECT_NE(m.status().message().find(variant == 0 ? "missing tensor 'blk.1.attn_k.weight'"
-                                                     : "'blk.0.ffn_down.weight' has shape"),
-              std::string::npos)
-        << m.status().ToString();
+  EXPECT_NE(
+      LoadError(Rewrite(**f, "variant0", "", {}, "blk.1.attn_k.weight")).find("missing tensor 'blk.1.attn_k.weight'"),
+      std::string::npos);
+  EXPECT_NE(LoadError(Rewrite(**f, "variant1", "", {}, "", "blk.0.ffn_down.weight"))
+                .find("'blk.0.ffn_down.weight' has shape"),
+            std::string::npos);
+}
+
+// deepseek2 metadata is read as llama.cpp reads it: q_lora_rank is required unless the model has 26 or 27
+// layers, the expert keys are required even for dense layers, and expert layers are refused (until MoE).
+TEST(Gguf, Deepseek2MetadataAsLlamaCppReadsIt) {
+  const std::string path = testing::WriteModel(testing::SmallConfig(Arch::kDeepseek2), "mla_src");
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok());
+  struct Case {
+    std::string drop_key;
+    std::map<std::string, uint32_t> set;
+    std::string drop_tensor, want;
+  };
+  const std::vector<Case> cases = {
+      {"deepseek2.attention.q_lora_rank", {}, "", "needs 'deepseek2.attention.q_lora_rank'"},
+      {"deepseek2.expert_feed_forward_length",
+       {},
+       "",
+       "'deepseek2.expert_feed_forward_length' (llama.cpp requires it)"},
+      {"deepseek2.expert_shared_count", {}, "", "'deepseek2.expert_shared_count'"},
+      {"", {{"deepseek2.leading_dense_block_count", 1}}, "", "mixture-of-experts layers are not supported yet"},
+      {"deepseek2.leading_dense_block_count", {}, "", "mixture-of-experts"},  // llama.cpp's default is 0
+      {"", {}, "blk.1.attn_k_b.weight", "missing tensor 'blk.1.attn_k_b.weight'"},
+      {"", {{"deepseek2.attention.kv_lora_rank", 40}}, "", "'blk.0.attn_kv_a_norm.weight' has shape"},
+      {"", {{"deepseek2.rope.dimension_count", 64}}, "", "key length must exceed rope.dimension_count"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    const std::string err = LoadError(Rewrite(**f, "mla_case" + std::to_string(i++), c.drop_key, c.set, c.drop_tensor));
+    EXPECT_NE(err.find(c.want), std::string::npos) << err;
   }
+  // The same file loads as it is, and reports MLA.
+  ModelOptions mo;
+  mo.n_threads = 1;
+  auto m = Model::Load(path, mo);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_STREQ((*m)->config().AttentionKind(), "MLA");
 }
 
 // Truncates and corrupts a valid model many times: parsing and loading must fail cleanly or succeed,

@@ -182,6 +182,9 @@ TEST_P(ModelArchTest, QuantizedWeightsKeepTheSameBits) {
   for (const char* preset : {"Q8_0", "Q4_K_M"}) {
     ModelConfig cfg = testing::SmallConfig(GetParam());
     if (std::string(preset) == "Q4_K_M") cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
+    if (cfg.is_mla() && std::string(preset) == "Q4_K_M") {  // 256-wide latent and query rows
+      cfg.mla.kv_lora_rank = 64, cfg.mla.q_lora_rank = 256, cfg.head_dim = 64 + 32, cfg.mla.qk_nope_dim = 32;
+    }
     const std::string path = ::testing::TempDir() + "/quant_" + preset + "_" + ArchName(GetParam()) + ".gguf";
     ASSERT_TRUE(WriteRandomModel(cfg, {GgmlType::kF32, 1, preset, {}}, path).ok());
     auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
@@ -191,7 +194,8 @@ TEST_P(ModelArchTest, QuantizedWeightsKeepTheSameBits) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest, ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3),
+INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest,
+                         ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3, Arch::kDeepseek2),
                          [](const auto& info) { return std::string(ArchName(info.param)); });
 
 // V is never rotated: in layer 0 the value of a token depends only on the token, so the same token at

@@ -37,6 +37,12 @@ ModelConfig SmallConfig(Arch arch) {
   c.context_length = 256;
   c.qk_norm = arch == Arch::kQwen3;
   c.attention_bias = arch == Arch::kQwen2;
+  if (arch == Arch::kDeepseek2) {  // MLA: a latent of 32 and a rope key of 16 per token and layer
+    c.mla = {/*q_lora_rank=*/24, /*kv_lora_rank=*/32, /*qk_nope_dim=*/16, /*v_head_dim=*/12, false};
+    c.n_kv_heads = 1;
+    c.head_dim = c.mla.kv_lora_rank + c.rotary_dim;
+    c.n_dense_lead = c.n_layers;
+  }
   return c;
 }
 

@@ -11,7 +11,7 @@ namespace qkv::testing {
 
 // A fresh directory under /tmp removed at exit.
 std::string TempDir();
-// A small model config (GQA 2:1 by default) for tests.
+// A small model config (GQA 2:1 by default; deepseek2: MLA with a low-rank query path) for tests.
 ModelConfig SmallConfig(Arch arch = Arch::kLlama);
 // Writes a random model for cfg and returns its path.
 std::string WriteModel(const ModelConfig& cfg, const std::string& name, uint64_t seed = 1,

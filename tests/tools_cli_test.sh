@@ -67,4 +67,30 @@ log=$("$bin/qkv-run" --model "$tmp/q.gguf" --tokens 1,2,3 -n 4 --temperature 0 -
 grep -q "(quantized)" <<<"$log" || fail "the quantized file was not run quantized: $log"
 expect_error "same file" "$bin/qkv-model" quantize "$tmp/q.gguf" "$tmp/q.gguf" --type Q8_0
 expect_error "must be one of" "$bin/qkv-model" quantize "$tmp/f.gguf" "$tmp/q2.gguf" --type Q4_K_X
-echo "tools_cli: 16 passed, 0 failed"
+# MLA (deepseek2): random writes what llama.cpp loads, info reports the latent cache, cache = no-cache, and the
+# config rules llama.cpp imposes are errors that name the field.
+cat > "$tmp/mla.json" <<'JSON'
+{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 300,
+ "max_position_embeddings": 128, "kv_lora_rank": 32, "q_lora_rank": 24, "qk_nope_head_dim": 16,
+ "qk_rope_head_dim": 8, "v_head_dim": 12, "rope_scaling": {"type": "yarn", "factor": 4, "mscale_all_dim": 1.0,
+ "original_max_position_embeddings": 32}}
+JSON
+"$bin/qkv-model" random --config "$tmp/mla.json" --out "$tmp/mla.gguf" --arch deepseek2 --seed 3 >/dev/null
+info=$("$bin/qkv-model" info "$tmp/mla.gguf")
+grep -q "attention:         MLA (4 query heads, per token and layer a latent of 32 and one rope key of 8" <<<"$info" || fail "info lacks MLA: $info"
+grep -q "rope scaling:      yarn x4, original context 32" <<<"$info" || fail "info lacks the rope scaling: $info"
+grep -q "kv bytes/token:    160 (bf16), 320 (f32), 88 (int8)" <<<"$info" || fail "MLA bytes per token: 2 layers x (32 + 8) x 2 = 160; got: $info"
+plan=$("$bin/qkv-model" plan --config "$tmp/mla.json" --json)
+grep -q '"kv_bytes_per_token":160' <<<"$plan" || fail "plan disagrees with info: $plan"
+a=$("$bin/qkv-run" --model "$tmp/mla.gguf" --prompt "The cat sat" -n 24 --temperature 0 --print-ids --threads 1 2>&1 >/dev/null | grep '^ids:')
+b=$("$bin/qkv-run" --model "$tmp/mla.gguf" --prompt "The cat sat" -n 24 --temperature 0 --print-ids --no-cache --threads 1 2>&1 >/dev/null | grep '^ids:')
+[ -n "$a" ] && [ "$a" = "$b" ] || fail "MLA cache ($a) and no-cache ($b) differ"
+sed 's/"q_lora_rank": 24/"q_lora_rank": null/' "$tmp/mla.json" > "$tmp/mla_noq.json"
+expect_error "'q_lora_rank' null needs 26 or 27 layers" "$bin/qkv-model" random --config "$tmp/mla_noq.json" --out "$tmp/x.gguf" --arch deepseek2
+sed 's/"kv_lora_rank": 32, //' "$tmp/mla.json" > "$tmp/mla_nokv.json"
+expect_error "missing 'kv_lora_rank'" "$bin/qkv-model" random --config "$tmp/mla_nokv.json" --out "$tmp/x.gguf" --arch deepseek2
+sed 's/"vocab_size": 300,/"vocab_size": 300, "n_routed_experts": 8,/' "$tmp/mla.json" > "$tmp/mla_moe.json"
+expect_error "mixture-of-experts layers are not supported yet" "$bin/qkv-model" random --config "$tmp/mla_moe.json" --out "$tmp/x.gguf" --arch deepseek2
+sed 's/"type": "yarn"/"type": "longrope"/' "$tmp/mla.json" > "$tmp/mla_lr.json"
+expect_error "rope scaling 'longrope' is not supported" "$bin/qkv-model" random --config "$tmp/mla_lr.json" --out "$tmp/x.gguf" --arch deepseek2
+echo "tools_cli: 25 passed, 0 failed"

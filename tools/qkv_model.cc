@@ -84,8 +84,19 @@ int Info(const std::string& path) {
             << "name:              " << (*f)->GetStringOr("general.name", "") << "\n"
             << "architecture:      " << qkv::ArchName(cfg->arch) << "\n"
             << "config:            " << cfg->Summary() << "\n"
-            << "attention:         " << cfg->AttentionKind() << " (" << cfg->n_heads << " query heads, "
-            << cfg->n_kv_heads << " kv heads)\n"
+            << "attention:         " << cfg->AttentionKind() << " (" << cfg->n_heads << " query heads, ";
+  if (cfg->is_mla()) {
+    std::cout << "per token and layer a latent of " << cfg->mla.kv_lora_rank << " and one rope key of "
+              << cfg->rotary_dim << "; q_lora_rank " << cfg->mla.q_lora_rank << ", qk_nope " << cfg->mla.qk_nope_dim
+              << ", v_head " << cfg->mla.v_head_dim << (cfg->mla.legacy_kv_b ? ", attn_kv_b" : "") << ")\n";
+  } else {
+    std::cout << cfg->n_kv_heads << " kv heads)\n";
+  }
+  std::cout << "rope scaling:      " << qkv::RopeScalingName(cfg->rope_scaling);
+  if (cfg->rope_scaling != qkv::RopeScaling::kNone) {
+    std::cout << " x" << cfg->rope_factor << ", original context " << cfg->Rope().orig_ctx;
+  }
+  std::cout << "\n"
             << "rope:              "
             << (qkv::RopeStyleOf(cfg->arch) == qkv::RopeStyle::kInterleaved ? "interleaved pairs" : "halves")
             << ", rotary_dim " << cfg->rotary_dim << " of " << cfg->head_dim << ", theta " << cfg->rope_theta << "\n"
@@ -97,7 +108,8 @@ int Info(const std::string& path) {
     first = false;
   }
   std::cout << " tensors)\n"
-            << "kv bytes/token:    " << cfg->KvBytesPerToken(2) << " (bf16), " << cfg->KvBytesPerToken(4) << " (f32)\n"
+            << "kv bytes/token:    " << cfg->KvBytesPerToken(2) << " (bf16), " << cfg->KvBytesPerToken(4) << " (f32), "
+            << cfg->KvBytesPerToken(1, 2) << " (int8)\n"
             << "context length:    " << cfg->context_length << "\n";
   auto tok = qkv::LoadTokenizerFromGguf(**f);
   if (tok.ok()) {

@@ -8,10 +8,9 @@
 #include "engine/kernels/ops.h"
 
 namespace qkv {
-namespace {
 
 // Converts n cache elements to f32 (a plain copy for f32 caches).
-inline void ToF32(const uint8_t* src, int n, DType dt, float* dst) {
+void KvToF32(const uint8_t* src, int n, DType dt, float* dst) {
   if (dt == DType::kF32) {
     std::memcpy(dst, src, sizeof(float) * n);
     return;
@@ -23,7 +22,27 @@ inline void ToF32(const uint8_t* src, int n, DType dt, float* dst) {
   }
 }
 
-inline void Store(uint8_t* dst, size_t index, float v, DType dt) {
+// int8 KV: one symmetric scale per cached vector, rounded to bf16; the int8 values are then rounded
+// against the stored scale (round half to even, as torch.round), so value ≈ q × scale with
+// |error| ≤ scale / 2. An all-zero vector has scale 0; a non-finite one gets a NaN scale (and q = 0), so it
+// poisons the attention that reads it as a bf16 cache would.
+void QuantizeKvI8(const float* x, int n, int8_t* q, size_t stride, uint8_t* scale_out) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    finite &= std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  uint16_t sb = finite ? F32ToBf16(amax / 127.0f) : uint16_t{0x7fc0};
+  const float sc = Bf16ToF32(sb);
+  for (int i = 0; i < n; ++i) {
+    const float r = finite && sc > 0.0f ? std::nearbyint(x[i] / sc) : 0.0f;
+    q[i * stride] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+  }
+  std::memcpy(scale_out, &sb, 2);
+}
+
+void StoreKvElement(uint8_t* dst, size_t index, float v, DType dt) {
   if (dt == DType::kF32) {
     std::memcpy(dst + 4 * index, &v, 4);
   } else {
@@ -31,6 +50,12 @@ inline void Store(uint8_t* dst, size_t index, float v, DType dt) {
     std::memcpy(dst + 2 * index, &h, 2);
   }
 }
+
+namespace {
+
+inline void ToF32(const uint8_t* src, int n, DType dt, float* dst) { KvToF32(src, n, dt, dst); }
+
+inline void Store(uint8_t* dst, size_t index, float v, DType dt) { StoreKvElement(dst, index, v, dt); }
 
 // Scores of one head against one block of 16 transposed keys: two 8-lane FMA chains over the dims.
 inline void BlockScores16(const float* q, const float* kt, int hd, float scale, float* sc) {
@@ -70,24 +95,8 @@ inline void WeightedSum(const float* w, const float* v, int nj, float* o) {
   for (int d = 0; d < HD; ++d) o[d] = acc[d];
 }
 
-// int8 KV: one symmetric scale per cached vector, rounded to bf16; the int8 values are then rounded
-// against the stored scale (round half to even, as torch.round), so value ≈ q × scale with
-// |error| ≤ scale / 2. An all-zero vector has scale 0; a non-finite one gets a NaN scale (and q = 0), so it
-// poisons the attention that reads it as a bf16 cache would.
 inline void QuantizeI8(const float* x, int n, int8_t* q, size_t stride, uint8_t* scale_out) {
-  float amax = 0.0f;
-  bool finite = true;
-  for (int i = 0; i < n; ++i) {
-    finite &= std::isfinite(x[i]);
-    amax = std::max(amax, std::fabs(x[i]));
-  }
-  uint16_t sb = finite ? F32ToBf16(amax / 127.0f) : uint16_t{0x7fc0};
-  const float sc = Bf16ToF32(sb);
-  for (int i = 0; i < n; ++i) {
-    const float r = finite && sc > 0.0f ? std::nearbyint(x[i] / sc) : 0.0f;
-    q[i * stride] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
-  }
-  std::memcpy(scale_out, &sb, 2);
+  QuantizeKvI8(x, n, q, stride, scale_out);
 }
 
 // The bf16 scales of an int8 region's n vectors (they follow its block_size × head_dim values), × mul.

@@ -13,9 +13,21 @@
 // position order, so the same-bits guarantees hold for int8 as for the others.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "engine/kv_cache.h"
 
 namespace qkv {
+
+// Cache element helpers shared by the attention kernels (this one and mla_attention.h).
+// n elements of a cache region in dtype dt (f32 or bf16) as f32.
+void KvToF32(const uint8_t* src, int n, DType dt, float* dst);
+// Element `index` of an f32 or bf16 region.
+void StoreKvElement(uint8_t* dst, size_t index, float v, DType dt);
+// One int8 cached vector of n values (element i at q[i * stride]) and its bf16 scale: scale =
+// bf16(max|x| / 127), q = clamp(round half to even(x / scale), -127, 127).
+void QuantizeKvI8(const float* x, int n, int8_t* q, size_t stride, uint8_t* scale_out);
 
 struct AttentionShape {
   int n_heads = 0;

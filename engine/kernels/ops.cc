@@ -1,5 +1,6 @@
 #include "engine/kernels/ops.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace qkv {
@@ -54,17 +55,32 @@ void AddInPlace(float* x, const float* y, int n) {
   for (int i = 0; i < n; ++i) x[i] += y[i];
 }
 
-RopeTable::RopeTable(int rotary_dim, double theta, int max_positions)
+RopeTable::RopeTable(int rotary_dim, double theta, int max_positions, const RopeScale& sc)
     : rotary_dim_(rotary_dim), max_positions_(max_positions) {
   const int half = rotary_dim / 2;
   cos_.resize(static_cast<size_t>(max_positions) * half);
   sin_.resize(cos_.size());
+  // YaRN's correction range (ggml_rope_yarn_corr_dims): the pair index at which a frequency makes n_rot
+  // rotations over the original context, for n_rot = beta_fast (low) and beta_slow (high).
+  auto corr = [&](double n_rot) {
+    return rotary_dim * std::log(sc.orig_ctx / (n_rot * 2 * M_PI)) / (2 * std::log(theta));
+  };
+  double low = 0, high = 0;
+  if (sc.yarn && rotary_dim > 0 && sc.orig_ctx > 0) {
+    low = std::max(0.0, std::floor(corr(sc.beta_fast)));
+    high = std::min(rotary_dim - 1.0, std::ceil(corr(sc.beta_slow)));
+  }
   for (int p = 0; p < max_positions; ++p) {
     for (int i = 0; i < half; ++i) {
-      const double freq = std::pow(theta, -2.0 * i / rotary_dim);
-      const double a = p * freq;
-      cos_[static_cast<size_t>(p) * half + i] = static_cast<float>(std::cos(a));
-      sin_[static_cast<size_t>(p) * half + i] = static_cast<float>(std::sin(a));
+      const double extrap = p * std::pow(theta, -2.0 * i / rotary_dim);
+      const double interp = sc.freq_scale * extrap;
+      double a = interp;
+      if (sc.yarn) {
+        const double ramp = 1.0 - std::clamp((i - low) / std::max(0.001, high - low), 0.0, 1.0);
+        a = interp * (1.0 - ramp) + extrap * ramp;
+      }
+      cos_[static_cast<size_t>(p) * half + i] = static_cast<float>(std::cos(a) * sc.magnitude);
+      sin_[static_cast<size_t>(p) * half + i] = static_cast<float>(std::sin(a) * sc.magnitude);
     }
   }
 }

@@ -66,11 +66,24 @@ enum class RopeStyle {
   kHalves,       // pairs (i, i + rotary_dim/2): qwen2, qwen3 ("neox" in llama.cpp)
 };
 
+// Frequency scaling of RoPE (the model config computes it the way llama.cpp does): linear divides every
+// frequency by 1 / freq_scale; YaRN mixes, per pair i, the interpolated angle (× freq_scale) and the original
+// one by a ramp that is 1 (original) below the correction dim of beta_fast rotations over orig_ctx and 0
+// (interpolated) above that of beta_slow, as ggml's rope_yarn; cos and sin are multiplied by magnitude.
+struct RopeScale {
+  double freq_scale = 1.0;
+  bool yarn = false;
+  int orig_ctx = 0;
+  double beta_fast = 32.0, beta_slow = 1.0;
+  double magnitude = 1.0;
+};
+
 // Rotary position embedding over the first rotary_dim dims of a head (see RopeStyle for the pairing).
-// The angle of pair i at position p is p · theta^(-2i/rotary_dim), computed in double at start-up.
+// The angle of pair i at position p is p · theta^(-2i/rotary_dim) (scaled as RopeScale says), computed in
+// double at start-up.
 class RopeTable {
  public:
-  RopeTable(int rotary_dim, double theta, int max_positions);
+  RopeTable(int rotary_dim, double theta, int max_positions, const RopeScale& scale = {});
   int max_positions() const { return max_positions_; }
   // Rotates one head vector in place at position pos (pos < max_positions()).
   void Apply(float* head, int pos, RopeStyle style) const;

@@ -24,6 +24,9 @@ class GqaAttention final : public Layer {
   CacheSpec cache() const override {  // K and V of every kv head
     return {int64_t{2} * c_.n_kv_heads * KvVectorBytes(kv_dtype_, c_.head_dim), 0};
   }
+  size_t scratch_floats_per_thread(int n_ctx, int block_size) const override {
+    return AttentionScratchFloats(c_.n_heads / c_.n_kv_heads, n_ctx, c_.head_dim, block_size);
+  }
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;

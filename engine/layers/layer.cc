@@ -67,7 +67,7 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
   bool quant = keep_quantized && k % 32 == 0;
   std::vector<const GgufTensor*> tensors;
   for (const WeightRows& r : rows) {
-    QKV_ASSIGN_OR_RETURN(const GgufTensor* t, FindShaped(f, r.tensor, {K, r.rows}));
+    QKV_ASSIGN_OR_RETURN(const GgufTensor* t, FindShaped(f, r.tensor, r.ne(K)));
     quant = quant && GgmlIsQuantized(t->type);
     tensors.push_back(t);
     n += r.n;
@@ -88,7 +88,7 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
   for (const WeightRows& r : rows) {
     auto it = read.find(r.tensor);
     if (it == read.end()) {
-      QKV_ASSIGN_OR_RETURN(std::vector<float> v, ReadTensor(f, r.tensor, {K, r.rows}));
+      QKV_ASSIGN_OR_RETURN(std::vector<float> v, ReadTensor(f, r.tensor, r.ne(K)));
       it = read.emplace(r.tensor, std::move(v)).first;
     }
     w.insert(w.end(), it->second.begin() + static_cast<size_t>(r.r0) * k,

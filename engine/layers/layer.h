@@ -97,6 +97,11 @@ class Layer {
   virtual size_t weight_bytes() const = 0;            // resident
   virtual size_t weight_bytes_per_token() const = 0;  // GEMM weights a decoded token reads
   virtual CacheSpec cache() const { return {}; }
+  // Attention scratch one compute thread needs for a query over n_ctx positions (LayerScratch's
+  // attn_per_thread holds the largest any layer asks for).
+  virtual size_t scratch_floats_per_thread(int n_ctx, int block_size) const { return 0; }
+  // Bytes of scratch the layer holds itself (sized at load from LayerInit::max_rows).
+  virtual size_t scratch_bytes() const { return 0; }
   // Calls f on each GEMM the layer owns (for reports).
   virtual void ForEachLinear(const std::function<void(const Linear&)>& f) const = 0;
 };
@@ -113,6 +118,7 @@ struct LayerInit {
   DType kv_dtype = DType::kBF16;
   int kv_layer = -1;
   const RopeTable* rope = nullptr;
+  int max_rows = 0;  // rows of one forward pass (the batch limit rounded up to the GEMM tile)
 };
 
 using LayerFactory = StatusOr<std::unique_ptr<Layer>> (*)(const LayerInit&);
@@ -129,11 +135,17 @@ std::vector<std::string_view> ModelLayerKinds(const ModelConfig& c, int block);
 // RoPE pairing per architecture, as llama.cpp defines it.
 RopeStyle RopeStyleOf(Arch a);
 
-// Rows [r0, r0 + n) of a 2-D weight tensor of `rows` rows (ggml ne = {k, rows}).
+// Rows [r0, r0 + n) of a 2-D weight tensor of `rows` rows (ggml ne = {k, rows}); with planes > 0, of a 3-D
+// tensor ne = {k, rows / planes, planes} read as `rows` rows (e.g. one matrix per head).
 struct WeightRows {
   std::string tensor;
   uint64_t rows;
   int r0, n;
+  uint64_t planes = 0;
+  std::vector<uint64_t> ne(uint64_t k) const {
+    if (planes > 0) return {k, rows / planes, planes};
+    return {k, rows};
+  }
 };
 // A GEMM over the given rows stacked in order, with an optional bias. Kept in the tensors' ggml block
 // formats (Linear::CreateQuantized) when keep_quantized and every tensor is quantized; otherwise expanded

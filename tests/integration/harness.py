@@ -32,11 +32,17 @@ from qkv_health import health_pb2, health_pb2_grpc  # noqa: E402
 TMP = tempfile.mkdtemp(prefix="qkvint")
 
 
-def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3, chat_stop=()):
+# Hugging Face DeepSeek-V2 names for a small MLA model (make_model(arch="deepseek2")): a latent of 32 and a
+# rope key of 16 per token and layer, a low-rank query path.
+MLA = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
+
+
+def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3, chat_stop=(), extra=None):
     path = os.path.join(TMP, name + ".gguf")
     if not os.path.exists(path):
         cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "intermediate_size": 128, "vocab_size": vocab, "max_position_embeddings": ctx}
+               "intermediate_size": 128, "vocab_size": vocab, "max_position_embeddings": ctx,
+               **(MLA if arch == "deepseek2" else {}), **(extra or {})}
         cpath = os.path.join(TMP, name + ".json")
         with open(cpath, "w") as f:
             json.dump(cfg, f)

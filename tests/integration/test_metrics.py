@@ -15,7 +15,7 @@ import urllib.request
 
 import grpc
 
-from harness import ROOT, TMP, Server, greedy, pb
+from harness import BIN, MLA, ROOT, TMP, Server, greedy, make_model, pb
 
 B = 16  # block size
 
@@ -110,6 +110,30 @@ class MetricsTest(unittest.TestCase):
         self.assertEqual(s.memory_kv_arena_bytes, s.kv_tokens_capacity * s.kv_bytes_per_token)
 
 
+def check_sessions(test, st, sid):
+    """A session over three turns, a fork of it and a truncation of the fork give what fresh requests over the
+    same history give (greedy tokens); turns after the first reuse cached tokens. Closes both sessions."""
+    st.CreateSession(pb.CreateSessionRequest(session_id=sid))
+    history = []
+    for turn in range(3):
+        ids = list(range(10 + turn, 40 + 3 * turn))
+        r = st.Complete(greedy(token_ids=pb.TokenIds(ids=ids), session_id=sid, max_tokens=6, ignore_eos=True))
+        fresh = st.Complete(greedy(token_ids=pb.TokenIds(ids=history + ids), max_tokens=6, ignore_eos=True))
+        test.assertEqual(list(r.token_ids), list(fresh.token_ids), f"turn {turn}")
+        if turn:
+            test.assertGreater(r.usage.cached_tokens, 0)
+        history += ids + list(r.token_ids)
+    child = sid + ".f"
+    st.ForkSession(pb.ForkSessionRequest(session_id=sid, child_session_id=child))
+    st.TruncateSession(pb.TruncateSessionRequest(session_id=child, num_tokens=37))
+    tail = list(range(100, 109))
+    r = st.Complete(greedy(token_ids=pb.TokenIds(ids=tail), session_id=child, max_tokens=6, ignore_eos=True))
+    fresh = st.Complete(greedy(token_ids=pb.TokenIds(ids=history[:37] + tail), max_tokens=6, ignore_eos=True))
+    test.assertEqual(list(r.token_ids), list(fresh.token_ids))
+    for s in (child, sid):
+        st.CloseSession(pb.CloseSessionRequest(session_id=s))
+
+
 class Int8KvTest(unittest.TestCase):
     """--kv-dtype int8: the accounting counts the scales everywhere (GetModelInfo, GetStats, /metrics, the
     arena), the same --kv-cache-bytes holds more tokens, and sessions, forks and truncation keep working."""
@@ -136,28 +160,49 @@ class Int8KvTest(unittest.TestCase):
             with open(i8.log_path) as f:
                 self.assertIn(f"KV {info.kv_bytes_per_token} per token", f.read())
             # A session over three turns, a fork and a truncation give what fresh requests give.
-            st = i8.stub
-            st.CreateSession(pb.CreateSessionRequest(session_id="q"))
-            history = []
-            for turn in range(3):
-                ids = list(range(10 + turn, 40 + 3 * turn))
-                r = st.Complete(greedy(token_ids=pb.TokenIds(ids=ids), session_id="q", max_tokens=6, ignore_eos=True))
-                fresh = st.Complete(greedy(token_ids=pb.TokenIds(ids=history + ids), max_tokens=6, ignore_eos=True))
-                self.assertEqual(list(r.token_ids), list(fresh.token_ids), f"turn {turn}")
-                if turn:
-                    self.assertGreater(r.usage.cached_tokens, 0)
-                history += ids + list(r.token_ids)
-            st.ForkSession(pb.ForkSessionRequest(session_id="q", child_session_id="q.f"))
-            st.TruncateSession(pb.TruncateSessionRequest(session_id="q.f", num_tokens=37))
-            tail = list(range(100, 109))
-            r = st.Complete(greedy(token_ids=pb.TokenIds(ids=tail), session_id="q.f", max_tokens=6, ignore_eos=True))
-            fresh = st.Complete(greedy(token_ids=pb.TokenIds(ids=history[:37] + tail), max_tokens=6, ignore_eos=True))
-            self.assertEqual(list(r.token_ids), list(fresh.token_ids))
-            for sid in ("q.f", "q"):
-                st.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            check_sessions(self, i8.stub, "q")
         finally:
             bf.stop()
             i8.stop()
+
+
+class MlaTest(unittest.TestCase):
+    """An MLA model (deepseek2): GetModelInfo, GetStats and /metrics report the latent cache's bytes per token
+    exactly (no K and V per head), on bf16 and int8 KV; sessions, forks and truncation give what fresh
+    requests give."""
+
+    def test_accounting_and_sessions(self):
+        model = make_model("mla", arch="deepseek2", seed=9)
+        R, P = MLA["kv_lora_rank"], MLA["qk_rope_head_dim"]
+        for kv, per_layer in (("bf16", (R + P) * 2), ("int8", R + P + 2 * 2)):
+            with self.subTest(kv=kv):
+                s = Server("--block-size", str(B), "--kv-cache-bytes", "4MiB", "--kv-dtype", kv, model=model)
+                try:
+                    st = s.stub
+                    info = st.GetModelInfo(pb.GetModelInfoRequest())
+                    self.assertEqual((info.architecture, info.attention), ("deepseek2", "MLA"))
+                    self.assertEqual((info.kv_lora_rank, info.qk_rope_head_dim, info.q_lora_rank,
+                                      info.qk_nope_head_dim, info.v_head_dim, info.num_kv_heads),
+                                     (R, P, MLA["q_lora_rank"], MLA["qk_nope_head_dim"], MLA["v_head_dim"], 1))
+                    self.assertEqual(info.kv_bytes_per_token, info.num_layers * per_layer)
+                    stats = st.GetStats(pb.GetStatsRequest())
+                    self.assertEqual(stats.kv_bytes_per_token, info.kv_bytes_per_token)
+                    self.assertEqual(stats.memory_kv_arena_bytes, stats.kv_tokens_capacity * stats.kv_bytes_per_token)
+                    self.assertEqual(stats.kv_tokens_capacity, (4 << 20) // (B * info.kv_bytes_per_token) * B)
+                    m = s.metrics()
+                    self.assertEqual(m["qkvserve_kv_bytes_per_token"], info.kv_bytes_per_token)
+                    labels = [k for k in m if k.startswith("qkvserve_build_info")]
+                    self.assertTrue(labels and 'attention="MLA"' in labels[0], labels)
+                    # The offline planner computes the same figure from the Hugging Face config.
+                    with open(os.path.join(TMP, "mla.json")) as f:
+                        cfg = f.read()
+                    plan = subprocess.run([os.path.join(BIN, "qkv-model"), "plan", "--config", "/dev/stdin", "--dtype",
+                                           kv, "--json"], input=cfg, capture_output=True, text=True, check=True)
+                    self.assertEqual(json.loads(plan.stdout)["kv_bytes_per_token"], info.kv_bytes_per_token)
+                    check_sessions(self, st, "m")
+                    self.assertTrue(s.wait_used_blocks(0), "blocks still used after the sessions closed")
+                finally:
+                    s.stop()
 
 
 PROM = shutil.which("prometheus")

@@ -2,7 +2,7 @@
 """Same bits through the server: a request's logprobs (and its prompt logprobs) are bit-identical alone and
 among 15 concurrent requests of other lengths, and with the prompt sent in one step or spread over several
 (a small --max-num-batched-tokens), for bf16 and f32 weights, quantized (Q4_K_M) weights, and with an int8 KV
-cache. Run once per instruction-set level by tests/isa_level_test.sh, which also caps the engine's own kernels
+cache, and on an MLA model. Run once per instruction-set level by tests/isa_level_test.sh, which also caps the engine's own kernels
 (QKV_MAX_ISA): GetModelInfo must report the capped level."""
 import concurrent.futures
 import os
@@ -66,6 +66,15 @@ class SameBitsTest(unittest.TestCase):
         whole = self.check(model=q)
         chunked = self.check("--max-num-batched-tokens", "16", model=q)
         self.assertEqual(chunked, whole, "prompt chunking changed the bits on quantized weights")
+
+    def test_mla(self):
+        """The same on an MLA model (deepseek2: a latent cache, absorbed attention), bf16 and int8 KV."""
+        mla = make_model("samebits_mla", arch="deepseek2", vocab=512, ctx=256, seed=11)
+        for kv in ("bf16", "int8"):
+            with self.subTest(kv=kv):
+                whole = self.check("--kv-dtype", kv, model=mla)
+                chunked = self.check("--kv-dtype", kv, "--max-num-batched-tokens", "16", model=mla)
+                self.assertEqual(chunked, whole, "prompt chunking changed the bits on MLA")
 
 
 if __name__ == "__main__":

@@ -68,5 +68,47 @@ PY
       echo "FAIL $arch $preset teacher-forced argmax follows llama.cpp greedy on only $agree"; fail=$((fail+1)); fi
   done
 done
+# MLA (deepseek2, dense): llama.cpp loads files from `qkv-model random --arch deepseek2` (with and without
+# the low-rank query path, which llama.cpp decides from the layer count; other splits; YaRN; the legacy
+# attn_kv_b), and our teacher-forced argmax follows its 24 greedy tokens, 24 of 24, for two prompts.
+/usr/bin/python3 - "$work" <<'PY'
+import json, sys
+mla = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 24}
+base = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
+        "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, **mla}
+cfgs = {
+    "mla": base,
+    "mla_no_q_lora": dict(base, hidden_size=64, intermediate_size=96, num_hidden_layers=26, kv_lora_rank=32,
+                          q_lora_rank=None, qk_nope_head_dim=16, v_head_dim=16),
+    "mla_splits": dict(base, kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=48),
+    "mla_yarn": dict(base, rope_scaling={"type": "yarn", "factor": 8.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                         "original_max_position_embeddings": 32}),
+    "mla_yarn_no_mscale": dict(base, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "mla_legacy_kv_b": dict(base, legacy_kv_b=True),
+}
+for name, c in cfgs.items():
+    json.dump(c, open(f"{sys.argv[1]}/{name}.json", "w"))
+PY
+for name in mla mla_no_q_lora mla_splits mla_yarn mla_yarn_no_mscale mla_legacy_kv_b; do
+  "$bin/qkv-model" random --config "$work/$name.json" --out "$work/$name.gguf" --arch deepseek2 --dtype f32 --seed 5 >/dev/null
+  for prompt in "$tokens" "7,7,7,400,3,99,123,64,2,1,0,511,300,17"; do
+    ref=$(node "$work/greedy.mjs" "$work/$name.gguf" "a" "$prompt" 24)
+    greedy=$(python3 -c 'import json,sys; print(",".join(map(str, json.loads(sys.argv[1])["greedy"])))' "$ref")
+    all="$prompt,$(cut -d, -f1-23 <<<"$greedy")"
+    "$bin/qkv-run" --model "$work/$name.gguf" --tokens "$all" -n 0 --threads 1 --weights-dtype f32 --kv-dtype f32 \
+      --logits "$work/l.bin" >/dev/null 2>&1
+    agree=$(/usr/bin/python3 - "$work/l.bin" "$prompt" "$greedy" <<'PY'
+import sys
+import numpy as np
+p = len(sys.argv[2].split(","))
+g = np.array([int(t) for t in sys.argv[3].split(",")])
+ours = np.fromfile(sys.argv[1], dtype="<f4").reshape(-1, 512)[p - 1:].argmax(1)
+print(f"{int((ours[:len(g)] == g).sum())}/{len(g)}")
+PY
+)
+    if [ "$agree" = "24/24" ]; then echo "ok   deepseek2 $name teacher-forced argmax follows llama.cpp greedy on $agree"; pass=$((pass+1)); else
+      echo "FAIL deepseek2 $name teacher-forced argmax follows llama.cpp greedy on only $agree"; fail=$((fail+1)); fi
+  done
+done
 echo "llamacpp: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -49,6 +49,8 @@ BASE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "n
         "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 256,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 
+MLA = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 24}
+
 CONFIGS = [
     ("mha", "llama", {"num_key_value_heads": 8}, "f32"),
     ("gqa4", "llama", {"num_key_value_heads": 2}, "f32"),
@@ -68,6 +70,23 @@ CONFIGS = [
     ("file_f16", "qwen2", {}, "f16"),
     ("file_bf16", "llama", {}, "bf16"),
     ("file_q8_0", "qwen3", {}, "q8_0"),
+    ("yarn_qwen2", "qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 32}}, "f32"),
+    ("linear_llama", "llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "f32"),
+    # MLA (deepseek2): with and without the low-rank query path (none needs 26 or 27 layers, llama.cpp's
+    # rule), other rope/nope/v splits, YaRN with and without mscale_all_dim, the legacy attn_kv_b.
+    ("mla", "deepseek2", dict(MLA), "f32"),
+    ("mla_no_q_lora", "deepseek2", dict(MLA, q_lora_rank=None, num_hidden_layers=26, hidden_size=64,
+                                        intermediate_size=96), "f32"),
+    ("mla_splits", "deepseek2", dict(MLA, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=32,
+                                     v_head_dim=48, num_attention_heads=3), "f32"),
+    ("mla_yarn", "deepseek2", dict(MLA, rope_scaling={"type": "yarn", "factor": 8.0, "mscale": 0.707,
+                                                      "mscale_all_dim": 0.707,
+                                                      "original_max_position_embeddings": 32}), "f32"),
+    ("mla_yarn_no_mscale", "deepseek2", dict(MLA, rope_scaling={"type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32}), "f32"),
+    ("mla_legacy_kv_b", "deepseek2", dict(MLA, legacy_kv_b=True), "f32"),
+    ("mla_bf16_file", "deepseek2", dict(MLA, tie_word_embeddings=True), "bf16"),
 ]
 
 
@@ -105,7 +124,7 @@ def main():
     worst_i8 = worst_i8_cost = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for name, arch, over, fdt in CONFIGS:
-            if args.only and name != args.only:
+            if args.only and not name.startswith(args.only):
                 continue
             cfg = dict(BASE, **over)
             cpath, mpath, lpath = (os.path.join(tmp, name + s) for s in (".json", ".gguf", ".bin"))
@@ -148,7 +167,7 @@ def main():
             json.dump(qcfg, f)
         tokens = rng.integers(0, qcfg["vocab_size"], size=48).tolist()
         for i, preset in enumerate(QUANT_PRESETS):
-            if args.only and args.only != preset:
+            if args.only and not preset.startswith(args.only):
                 continue
             arch = ("llama", "qwen2", "qwen3")[i % 3]
             mpath, twin, lpath = (os.path.join(tmp, preset + s) for s in (".gguf", "_f32.gguf", ".bin"))

@@ -113,7 +113,23 @@ class Reference:
         self.theta = g.kv.get(p + "rope.freq_base", 10000.0)
         self.eps = g.kv.get(p + "attention.layer_norm_rms_epsilon", 1e-6)
         self.gate = bool(g.kv.get("qkvserve.attention.output_gate", False))
-        self.interleaved = arch == "llama"
+        # llama.cpp's pairing: interleaved (2i, 2i+1) for llama and deepseek2, halves for qwen2/qwen3.
+        self.interleaved = arch in ("llama", "deepseek2")
+        # Rope scaling from the file: linear divides every frequency by the factor; YaRN (the YaRN paper,
+        # as DeepSeek-V2's modelling code states it) mixes the interpolated and the original frequency of
+        # each pair by a linear ramp between the correction dims of beta_fast = 32 and beta_slow = 1
+        # rotations over the original context, and scales the softmax by mscale(factor, mscale_all_dim)^2.
+        self.scaling = g.kv.get(p + "rope.scaling.type", "none")
+        self.factor = g.kv.get(p + "rope.scaling.factor", 1.0) or 1.0
+        self.orig_ctx = g.kv.get(p + "rope.scaling.original_context_length", g.kv.get(p + "context_length", 2048))
+        # the converter writes 0.1 * mscale_all_dim (llama.cpp divides it back)
+        self.mscale_all_dim = g.kv.get(p + "rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        if arch == "deepseek2":
+            self.kv_lora = g.kv[p + "attention.kv_lora_rank"]
+            self.q_lora = g.kv.get(p + "attention.q_lora_rank", 0)
+            # older files (one attn_kv_b) give the per-head widths as key_length / value_length
+            self.dk_mla = g.kv.get(p + "attention.key_length_mla", g.kv[p + "attention.key_length"])
+            self.dv_mla = g.kv.get(p + "attention.value_length_mla", g.kv[p + "attention.value_length"])
 
         def T(name):
             t = torch.from_numpy(g.tensor(name))
@@ -134,8 +150,18 @@ class Reference:
             return x
         i = torch.arange(r // 2, dtype=torch.float64)
         freq = self.theta ** (-2.0 * i / r)
+        mag = 1.0
+        if self.scaling == "linear":
+            freq = freq / self.factor
+        elif self.scaling == "yarn" and self.factor > 1:
+            def corr(rot):
+                return r * np.log(self.orig_ctx / (rot * 2 * np.pi)) / (2 * np.log(self.theta))
+            low, high = max(np.floor(corr(32.0)), 0.0), min(np.ceil(corr(1.0)), r - 1.0)
+            keep = 1.0 - torch.clamp((i - low) / max(high - low, 0.001), 0.0, 1.0)  # 1: original frequency
+            freq = freq / self.factor * (1.0 - keep) + freq * keep
+            mag = self.rope_mag()
         ang = pos[:, None].to(torch.float64) * freq[None, :]  # [T, r/2]
-        c, s = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+        c, s = mag * torch.cos(ang)[:, None, :], mag * torch.sin(ang)[:, None, :]
         y = x.clone()
         if self.interleaved:
             x0, x1 = x[..., 0:r:2], x[..., 1:r:2]
@@ -160,6 +186,10 @@ class Reference:
         for l in range(self.n_layers):
             p = f"blk.{l}."
             h = self.rms(x, T(p + "attn_norm.weight"))
+            if self.arch == "deepseek2":
+                x = x + self.mla(h, p, pos, mask)
+                x = self.ffn(x, p)
+                continue
             q = h @ T(p + "attn_q.weight").T
             k = h @ T(p + "attn_k.weight").T
             v = h @ T(p + "attn_v.weight").T
@@ -195,9 +225,63 @@ class Reference:
             if self.gate:
                 a = a * torch.sigmoid(gate)
             x = x + a @ T(p + "attn_output.weight").T
-            h = self.rms(x, T(p + "ffn_norm.weight"))
-            g_ = h @ T(p + "ffn_gate.weight").T
-            u = h @ T(p + "ffn_up.weight").T
-            x = x + (torch.nn.functional.silu(g_) * u) @ T(p + "ffn_down.weight").T
+            x = self.ffn(x, p)
         x = self.rms(x, self.final_norm)
         return x @ self.out.T
+
+    def rope_mag(self):
+        """The factor on cos/sin under YaRN, as llama.cpp computes it: mscale(f, m) / mscale(f, mscale_all_dim)
+        with m = mscale_all_dim for deepseek2 (1 for others) when the file gives a log multiplier, else
+        mscale(f, 1) = 1 + 0.1 ln f."""
+        def ms(m):
+            return 1.0 + 0.1 * m * np.log(self.factor)
+        if self.mscale_all_dim != 0:
+            m = self.mscale_all_dim if self.arch == "deepseek2" and self.mscale_all_dim != 1 else 1.0
+            return ms(m) / ms(self.mscale_all_dim)
+        return ms(1.0)
+
+    def ffn(self, x, p):
+        T = self.T
+        h = self.rms(x, T(p + "ffn_norm.weight"))
+        g_ = h @ T(p + "ffn_gate.weight").T
+        u = h @ T(p + "ffn_up.weight").T
+        return x + (torch.nn.functional.silu(g_) * u) @ T(p + "ffn_down.weight").T
+
+    def mla(self, h, p, pos, mask):
+        """DeepSeek-V2 multi-head latent attention in its plain (non-absorbed) form: K and V of every head
+        are expanded from the normalized latent, the rope part of K is one key shared by all heads."""
+        T = self.T
+        n, nh, R = h.shape[0], self.n_heads, self.kv_lora
+        dk, dv, P = self.dk_mla, self.dv_mla, self.rot
+        dn = dk - P
+        if self.g.has(p + "attn_q_a.weight"):
+            q = self.rms(h @ T(p + "attn_q_a.weight").T, T(p + "attn_q_a_norm.weight")) @ T(p + "attn_q_b.weight").T
+        else:
+            q = h @ T(p + "attn_q.weight").T
+        q = q.reshape(n, nh, dk)
+        q_nope, q_pe = q[..., :dn], self.rope(q[..., dn:], pos)
+        kv = h @ T(p + "attn_kv_a_mqa.weight").T
+        c = self.rms(kv[:, :R], T(p + "attn_kv_a_norm.weight"))
+        k_pe = self.rope(kv[:, None, R:], pos)  # [n, 1, P]
+        if self.kv_int8:  # the cache stores the latent and the rope key, each with its own scale
+            c = int8_kv_round(c[:, None, :])[:, 0, :]
+            k_pe = int8_kv_round(k_pe)
+        if self.g.has(p + "attn_k_b.weight"):
+            kb = T(p + "attn_k_b.weight")  # [nh, R, dn]
+            vb = T(p + "attn_v_b.weight")  # [nh, dv, R]
+            k_nope = torch.einsum("tr,hrd->thd", c, kb)
+            v = torch.einsum("tr,hdr->thd", c, vb)
+        else:  # older files: one kv_b [nh * (dn + dv), R]
+            kvb = T(p + "attn_kv_b.weight").reshape(nh, dn + dv, R)
+            k_nope = torch.einsum("tr,hdr->thd", c, kvb[:, :dn])
+            v = torch.einsum("tr,hdr->thd", c, kvb[:, dn:])
+        k = torch.cat([k_nope, k_pe.expand(n, nh, P)], dim=-1)
+        qf = torch.cat([q_nope, q_pe], dim=-1)
+        mscale = 1.0  # DeepSeek's softmax scale: (rope factor × mscale(f, mscale_all_dim))^2 / sqrt(dk)
+        if self.scaling == "yarn" and self.factor > 1:
+            mscale = self.rope_mag() * (1.0 + 0.1 * self.mscale_all_dim * np.log(self.factor))
+        scores = torch.einsum("qhd,khd->hqk", qf, k) * (mscale * mscale / np.sqrt(dk))
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        w = torch.softmax(scores, dim=-1)
+        a = torch.einsum("hqk,khd->qhd", w, v).reshape(n, nh * dv)
+        return a @ T(p + "attn_output.weight").T

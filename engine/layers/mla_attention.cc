@@ -1,0 +1,240 @@
+// Multi-head latent attention (DeepSeek-V2/V3, GGUF architecture deepseek2 as llama.cpp reads it), in the
+// absorbed form for prefill and decode alike:
+//   h = RMSNorm(x) → [q_a | kv] = h·[W_QA; W_KVA]ᵀ (no low-rank path: [q | kv] = h·[W_Q; W_KVA]ᵀ)
+//   → q = RMSNorm(q_a)·W_QBᵀ, per head [q_nope (qk_nope) | q_pe (qk_rope)]
+//   → kv = [c (kv_lora_rank) | k_pe (qk_rope)]: c = RMSNorm(c), k_pe = RoPE(k_pe), q_pe = RoPE(q_pe)
+//   → store c and k_pe (the whole cache of this layer: nothing per head)
+//   → per head q_lat = W_UKᵀ q_nope (into latent space), attention over [c | k_pe] with [q_lat | q_pe]
+//     (kernels/mla_attention.h), o_lat = Σ w c → o = W_UV o_lat per head → x += [o_heads]·W_Oᵀ.
+// Absorption (q_lat · c = q_nope · W_UK c) is exact in real arithmetic; it is what lets the cache hold the
+// latent instead of K and V per head. llama.cpp's files carry W_UK per head already transposed for it
+// (attn_k_b {qk_nope, kv_lora_rank, n_head}) and W_UV as attn_v_b {kv_lora_rank, v_head, n_head}; older
+// files carry one attn_kv_b, split (and W_UK transposed) here at load.
+#include "engine/kernels/mla_attention.h"
+
+#include <omp.h>
+
+#include <algorithm>
+
+#include "engine/layers/layer.h"
+
+namespace qkv {
+namespace {
+
+class MlaAttention final : public Layer {
+ public:
+  std::string_view kind() const override { return "mla_attention"; }
+  size_t weight_bytes() const override {
+    return weight_bytes_per_token() + 4 * (norm_.size() + q_a_norm_.size() + kv_a_norm_.size());
+  }
+  size_t weight_bytes_per_token() const override {
+    size_t n = a_->weight_bytes() + o_->weight_bytes() + (q_b_ ? q_b_->weight_bytes() : 0);
+    for (const auto& l : k_b_) n += l->weight_bytes();
+    for (const auto& l : v_b_) n += l->weight_bytes();
+    return n;
+  }
+  void ForEachLinear(const std::function<void(const Linear&)>& f) const override {
+    f(*a_);
+    if (q_b_) f(*q_b_);
+    for (const auto& l : k_b_) f(*l);
+    for (const auto& l : v_b_) f(*l);
+    f(*o_);
+  }
+  CacheSpec cache() const override {  // one latent and one rope key per token: nothing per head
+    return {KvVectorBytes(kv_dtype_, R_) + KvVectorBytes(kv_dtype_, P_), 0};
+  }
+  size_t scratch_floats_per_thread(int n_ctx, int block_size) const override {
+    return LatentAttentionScratchFloats(nh_, n_ctx, R_, P_, block_size);
+  }
+  size_t scratch_bytes() const override {
+    return sizeof(float) * (a_buf_.size() + qa_buf_.size() + q_buf_.size() + gin_.size() + gout_.size() + qm_.size() +
+                            ol_.size() + ao_.size());
+  }
+
+  static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
+  void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+
+ private:
+  ModelConfig c_;
+  DType kv_dtype_ = DType::kBF16;
+  int kv_layer_ = 0;
+  const RopeTable* rope_ = nullptr;
+  int nh_ = 0, R_ = 0, P_ = 0, dn_ = 0, dv_ = 0, dk_ = 0, ql_ = 0;
+  int a_n_ = 0, kv_off_ = 0;  // the first GEMM's width and where [c | k_pe] starts in its rows
+  float scale_ = 1.0f;
+  std::vector<float> norm_, q_a_norm_, kv_a_norm_;
+  std::unique_ptr<Linear> a_, q_b_, o_;
+  std::vector<std::unique_ptr<Linear>> k_b_, v_b_;  // per head: W_UKᵀ [R, qk_nope] and W_UV [v_head, R]
+  // Scratch for max_rows rows, sized at load.
+  std::vector<float> a_buf_, qa_buf_, q_buf_, gin_, gout_, qm_, ol_, ao_;
+};
+
+StatusOr<std::unique_ptr<Layer>> MlaAttention::Make(const LayerInit& in) {
+  const ModelConfig& c = in.config;
+  auto L = std::make_unique<MlaAttention>();
+  L->c_ = c;
+  L->kv_dtype_ = in.kv_dtype;
+  L->kv_layer_ = in.kv_layer;
+  L->rope_ = in.rope;
+  L->nh_ = c.n_heads;
+  L->R_ = c.mla.kv_lora_rank;
+  L->P_ = c.rotary_dim;
+  L->dn_ = c.mla.qk_nope_dim;
+  L->dv_ = c.mla.v_head_dim;
+  L->dk_ = c.mla_qk_dim();
+  L->ql_ = c.mla.q_lora_rank;
+  L->scale_ = c.AttentionScale();
+  const int nh = L->nh_, R = L->R_, P = L->P_, dn = L->dn_, dv = L->dv_, dk = L->dk_, ql = L->ql_;
+  const auto H = static_cast<uint64_t>(c.hidden);
+  const auto U = [](int v) { return static_cast<uint64_t>(v); };
+  const std::string p = "blk." + std::to_string(in.block) + ".";
+  auto mk = [&](const std::vector<WeightRows>& rows, int k) {
+    return MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized, rows, k, nullptr);
+  };
+  QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, p + "attn_norm.weight", {H}));
+  QKV_ASSIGN_OR_RETURN(L->kv_a_norm_, ReadTensor(in.file, p + "attn_kv_a_norm.weight", {U(R)}));
+  // One GEMM over h for the query path's first step and the latent + rope key.
+  std::vector<WeightRows> first;
+  if (ql > 0) {
+    QKV_ASSIGN_OR_RETURN(L->q_a_norm_, ReadTensor(in.file, p + "attn_q_a_norm.weight", {U(ql)}));
+    first.push_back({p + "attn_q_a.weight", U(ql), 0, ql});
+    L->kv_off_ = ql;
+  } else {
+    first.push_back({p + "attn_q.weight", U(nh * dk), 0, nh * dk});
+    L->kv_off_ = nh * dk;
+  }
+  first.push_back({p + "attn_kv_a_mqa.weight", U(R + P), 0, R + P});
+  L->a_n_ = L->kv_off_ + R + P;
+  QKV_ASSIGN_OR_RETURN(L->a_, mk(first, c.hidden));
+  if (ql > 0) {
+    QKV_ASSIGN_OR_RETURN(L->q_b_, mk({{p + "attn_q_b.weight", U(nh * dk), 0, nh * dk}}, ql));
+  }
+  if (c.mla.legacy_kv_b) {
+    // attn_kv_b {kv_lora_rank, n_head × (qk_nope + v_head)}: per head qk_nope rows of W_UK, then v_head rows
+    // of W_UV. W_UK is transposed here into the absorbed query's [R, qk_nope].
+    const std::string t = p + "attn_kv_b.weight";
+    const uint64_t rows = U(nh * (dn + dv));
+    QKV_ASSIGN_OR_RETURN(std::vector<float> kvb, ReadTensor(in.file, t, {U(R), rows}));
+    std::vector<float> wt(static_cast<size_t>(R) * dn);
+    for (int h = 0; h < nh; ++h) {
+      for (int r = 0; r < R; ++r)
+        for (int d = 0; d < dn; ++d)
+          wt[static_cast<size_t>(r) * dn + d] = kvb[(static_cast<size_t>(h) * (dn + dv) + d) * R + r];
+      QKV_ASSIGN_OR_RETURN(auto kb, Linear::Create(in.gemm, wt.data(), nullptr, R, dn, in.weights_dtype));
+      L->k_b_.push_back(std::move(kb));
+      QKV_ASSIGN_OR_RETURN(auto vb, mk({{t, rows, h * (dn + dv) + dn, dv}}, R));
+      L->v_b_.push_back(std::move(vb));
+    }
+  } else {
+    for (int h = 0; h < nh; ++h) {
+      QKV_ASSIGN_OR_RETURN(auto kb, mk({{p + "attn_k_b.weight", U(R * nh), h * R, R, U(nh)}}, dn));
+      L->k_b_.push_back(std::move(kb));
+      QKV_ASSIGN_OR_RETURN(auto vb, mk({{p + "attn_v_b.weight", U(dv * nh), h * dv, dv, U(nh)}}, R));
+      L->v_b_.push_back(std::move(vb));
+    }
+  }
+  QKV_ASSIGN_OR_RETURN(L->o_, mk({{p + "attn_output.weight", H, 0, c.hidden}}, nh * dv));
+  const auto rows = static_cast<size_t>(std::max(in.max_rows, 1));
+  L->a_buf_.assign(rows * L->a_n_, 0);
+  if (ql > 0) {
+    L->qa_buf_.assign(rows * ql, 0);
+    L->q_buf_.assign(rows * nh * dk, 0);
+  }
+  L->gin_.assign(rows * std::max(dn, R), 0);
+  L->gout_.assign(rows * std::max(R, dv), 0);
+  L->qm_.assign(rows * nh * (R + P), 0);
+  L->ol_.assign(rows * nh * R, 0);
+  L->ao_.assign(rows * nh * dv, 0);
+  return std::unique_ptr<Layer>(std::move(L));
+}
+
+void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
+  const int T = rows.T, H = c_.hidden, nthr = s.n_threads;
+  const int nh = nh_, R = R_, P = P_, dn = dn_, dv = dv_, dk = dk_, ql = ql_, W = R + P;
+  const float eps = static_cast<float>(c_.rms_eps);
+  ForwardProfile& pf = *s.profile;
+  float* h = s.h;
+  float* a = a_buf_.data();
+
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t)
+    RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &h[static_cast<size_t>(t) * H], H, eps);
+  s.timer->Mark(pf.norms);
+  s.Gemm(*a_, h, T, a);
+  // Queries: through the low-rank path, or straight from the first GEMM (row stride a_n_).
+  const float* q = a;
+  size_t q_stride = static_cast<size_t>(a_n_);
+  if (ql > 0) {
+    for (int t = 0; t < T; ++t) {
+      RmsNorm(a + static_cast<size_t>(t) * a_n_, q_a_norm_.data(), &qa_buf_[static_cast<size_t>(t) * ql], ql, eps);
+    }
+    s.Gemm(*q_b_, qa_buf_.data(), T, q_buf_.data());
+    q = q_buf_.data();
+    q_stride = static_cast<size_t>(nh) * dk;
+  }
+  s.timer->Mark(pf.qkv);
+
+  // The latent (normalized) and the rope key (rotated) into the cache; the rotated rope part of each
+  // head's query beside its absorbed part.
+  const RopeStyle style = RopeStyleOf(c_.arch);
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t) {
+    float* kv = a + static_cast<size_t>(t) * a_n_ + kv_off_;
+    const int pos = rows.pos[t];
+    RmsNorm(kv, kv_a_norm_.data(), kv, R, eps);
+    if (P > 0) rope_->Apply(kv + R, pos, style);
+    const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
+    StoreLatent(*s.kv, kv_layer_, ch.seq->blocks.data(), pos, kv, kv + R);
+    for (int hh = 0; hh < nh; ++hh) {
+      float* dst = &qm_[(static_cast<size_t>(t) * nh + hh) * W + R];
+      std::copy_n(q + t * q_stride + static_cast<size_t>(hh) * dk + dn, P, dst);
+      if (P > 0) rope_->Apply(dst, pos, style);
+    }
+  }
+  s.timer->Mark(pf.rope_store);
+
+  // Absorb: q_lat = W_UKᵀ q_nope, one GEMM per head over the step's rows.
+  for (int hh = 0; hh < nh; ++hh) {
+    for (int t = 0; t < T; ++t)
+      std::copy_n(q + t * q_stride + static_cast<size_t>(hh) * dk, dn, &gin_[static_cast<size_t>(t) * dn]);
+    s.Gemm(*k_b_[hh], gin_.data(), T, gout_.data());
+    for (int t = 0; t < T; ++t) {
+      std::copy_n(&gout_[static_cast<size_t>(t) * R], R, &qm_[(static_cast<size_t>(t) * nh + hh) * W]);
+    }
+  }
+  s.timer->Mark(pf.qkv);
+
+  // Attention in latent space; the heads are cut into one chunk per thread so that a decode step uses
+  // every thread (a head's result does not depend on its chunk).
+  const int chunks = std::min(nh, std::max(nthr, 1));
+  const int items = T * chunks;
+#pragma omp parallel for num_threads(nthr) schedule(dynamic, 1) if (items > 1)
+  for (int it = 0; it < items; ++it) {
+    const int t = it / chunks, k = it % chunks;
+    const int h0 = nh * k / chunks, h1 = nh * (k + 1) / chunks;
+    const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
+    float* scratch = &s.attn_per_thread[s.attn_stride * omp_get_thread_num()];
+    AttendLatent(*s.kv, kv_layer_, ch.seq->blocks.data(), rows.pos[t] + 1, &qm_[static_cast<size_t>(t) * nh * W],
+                 &ol_[static_cast<size_t>(t) * nh * R], h0, h1 - h0, scale_, scratch);
+  }
+  // Back out of latent space: o_h = W_UV o_lat per head.
+  for (int hh = 0; hh < nh; ++hh) {
+    for (int t = 0; t < T; ++t) {
+      std::copy_n(&ol_[(static_cast<size_t>(t) * nh + hh) * R], R, &gin_[static_cast<size_t>(t) * R]);
+    }
+    s.Gemm(*v_b_[hh], gin_.data(), T, gout_.data());
+    for (int t = 0; t < T; ++t) {
+      std::copy_n(&gout_[static_cast<size_t>(t) * dv], dv, &ao_[(static_cast<size_t>(t) * nh + hh) * dv]);
+    }
+  }
+  s.timer->Mark(pf.attention);
+  s.Gemm(*o_, ao_.data(), T, s.tmp);
+  AddInPlace(x, s.tmp, T * H);
+  s.timer->Mark(pf.o);
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Layer>> MakeMlaAttention(const LayerInit& in) { return MlaAttention::Make(in); }
+
+}  // namespace qkv
