@@ -429,7 +429,14 @@ int InfoCmd(const Common& c, pb::Inference::Stub& stub) {
             {"instance_id", m.instance_id()},
             {"chat_template", m.chat_template()},
             {"chat_stop", std::vector<std::string>(m.chat_stop().begin(), m.chat_stop().end())},
-            {"rope_scaling", m.rope_scaling()}};
+            {"rope_scaling", m.rope_scaling()},
+            {"num_parameters", m.num_parameters()},
+            {"active_parameters", m.active_parameters()},
+            {"weight_bytes_per_token", m.weight_bytes_per_token()}};
+  if (m.num_experts() > 0) {
+    j["num_experts"] = m.num_experts();
+    j["experts_per_token"] = m.experts_per_token();
+  }
   if (m.rope_scaling() != "none") {
     j["rope_scaling_factor"] = m.rope_scaling_factor();
     j["rope_original_context"] = m.rope_original_context();

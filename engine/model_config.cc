@@ -13,6 +13,7 @@ const char* ArchName(Arch a) {
     case Arch::kQwen2: return "qwen2";
     case Arch::kQwen3: return "qwen3";
     case Arch::kDeepseek2: return "deepseek2";
+    case Arch::kQwen3Moe: return "qwen3moe";
   }
   return "?";
 }
@@ -84,7 +85,8 @@ StatusOr<Arch> ParseArch(const std::string& s) {
   if (s == "qwen2") return Arch::kQwen2;
   if (s == "qwen3") return Arch::kQwen3;
   if (s == "deepseek2") return Arch::kDeepseek2;
-  return InvalidArgument("unsupported architecture '" + s + "' (supported: llama, qwen2, qwen3, deepseek2)");
+  if (s == "qwen3moe") return Arch::kQwen3Moe;
+  return InvalidArgument("unsupported architecture '" + s + "' (supported: llama, qwen2, qwen3, qwen3moe, deepseek2)");
 }
 
 const char* ModelConfig::AttentionKind() const {
@@ -94,22 +96,34 @@ const char* ModelConfig::AttentionKind() const {
   return "GQA";
 }
 
-int64_t ModelConfig::ParameterCount() const {
+int64_t ModelConfig::ParameterCount() const { return Parameters(false); }
+int64_t ModelConfig::ActiveParameterCount() const { return Parameters(true); }
+
+int64_t ModelConfig::Parameters(bool active_only) const {
   const int64_t h = hidden;
+  // FFN parameters of one block: dense, or the router plus the (active or all) experts and shared experts.
+  auto ffn_params = [&](int block) -> int64_t {
+    if (!is_moe_block(block)) return 3 * h * ffn;
+    const int64_t experts = active_only ? moe.n_used : moe.n_experts;
+    return h * moe.n_experts + (experts + moe.n_shared) * 3 * h * moe.expert_ffn +
+           (moe.selection_bias ? moe.n_experts : 0);
+  };
+  int64_t ffn_total = 0;
+  for (int l = 0; l < n_layers; ++l) ffn_total += ffn_params(l);
   if (is_mla()) {
     const int64_t nh = n_heads, R = mla.kv_lora_rank, P = rotary_dim, dk = mla_qk_dim(), dv = mla.v_head_dim;
     const int64_t q =
         mla.q_lora_rank > 0 ? h * mla.q_lora_rank + mla.q_lora_rank + int64_t{mla.q_lora_rank} * nh * dk : h * nh * dk;
     const int64_t attn = q + h * (R + P) + R + nh * R * (mla.qk_nope_dim + dv) + nh * dv * h;
-    const int64_t layer = attn + 3 * h * ffn + 2 * h;
-    return layer * n_layers + int64_t{vocab} * h * (tied_embeddings ? 1 : 2) + h;
+    const int64_t layer = attn + 2 * h;
+    return layer * n_layers + ffn_total + int64_t{vocab} * h * (tied_embeddings ? 1 : 2) + h;
   }
   const int64_t qrows = int64_t{q_dim()} * (attn_output_gate ? 2 : 1);
-  int64_t layer = h * (qrows + 2 * kv_dim()) + int64_t{q_dim()} * h + 3 * h * ffn + 2 * h;
+  int64_t layer = h * (qrows + 2 * kv_dim()) + int64_t{q_dim()} * h + 2 * h;
   if (attention_bias) layer += qrows + 2 * kv_dim();
   if (qk_norm) layer += 2 * head_dim;
   if (attention_sinks) layer += n_heads;
-  return layer * n_layers + int64_t{vocab} * h * (tied_embeddings ? 1 : 2) + h;
+  return layer * n_layers + ffn_total + int64_t{vocab} * h * (tied_embeddings ? 1 : 2) + h;
 }
 
 Status ModelConfig::Validate() const {
@@ -136,6 +150,20 @@ Status ModelConfig::Validate() const {
   if (!std::isfinite(rope_attn_factor) || !(rope_attn_factor > 0)) return bad("rope attention factor must be positive");
   if (!std::isfinite(rope_yarn_log_mul) || std::fabs(rope_yarn_log_mul) > 100)
     return bad("mscale_all_dim out of range");
+  if (moe.n_experts > 0 || arch == Arch::kQwen3Moe) {
+    if (moe.n_experts <= 0 || moe.n_experts > 4096) return bad("num_experts must be in 1..4096");
+    if (moe.n_used <= 0 || moe.n_used > moe.n_experts) return bad("num_experts_per_tok must be in 1..num_experts");
+    if (moe.expert_ffn <= 0 || moe.expert_ffn > 1 << 20) return bad("moe_intermediate_size must be in 1..1048576");
+    if (moe.n_shared < 0 || moe.n_shared > 64) return bad("n_shared_experts must be in 0..64");
+    if (moe.n_groups > 256) return bad("n_group must be at most 256");
+    // llama.cpp asserts these (llama-model.cpp): fewer groups than experts, groups dividing the experts,
+    // and fewer groups used than there are.
+    if (moe.n_groups > 1 && (moe.n_groups >= moe.n_experts || moe.n_experts % moe.n_groups != 0 ||
+                             moe.n_group_used < 1 || moe.n_group_used >= moe.n_groups)) {
+      return bad("n_group must divide num_experts (and be fewer), and topk_group be in 1..n_group-1");
+    }
+    if (!std::isfinite(moe.weights_scale)) return bad("routed_scaling_factor must be finite");
+  }
   if (is_mla()) {
     if (mla.kv_lora_rank <= 0 || mla.kv_lora_rank > 16384) return bad("kv_lora_rank must be in 1..16384");
     if (mla.q_lora_rank < 0 || mla.q_lora_rank > 65536) return bad("q_lora_rank must be in 0..65536");
@@ -144,10 +172,9 @@ Status ModelConfig::Validate() const {
     if (n_kv_heads != 1) return bad("deepseek2 (MLA) caches one latent per token: head_count_kv must be 1");
     if (head_dim != mla.kv_lora_rank + rotary_dim)
       return bad("deepseek2: key_length must be kv_lora_rank + qk_rope_head_dim");
-    if (n_dense_lead < n_layers) {
-      return Unimplemented("model config: mixture-of-experts layers are not supported yet (deepseek2 with " +
-                           std::to_string(n_layers - std::min(n_dense_lead, n_layers)) +
-                           " expert layers; only leading_dense_block_count = block_count runs)");
+    if (n_dense_lead < n_layers && moe.n_experts <= 0) {
+      return bad("deepseek2 blocks after leading_dense_block_count (" + std::to_string(n_dense_lead) +
+                 ") are mixture-of-experts blocks and need expert_count > 0");
     }
   }
   return {};
@@ -241,17 +268,58 @@ StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
     if (c.mla.qk_nope_dim < 1) return DataLoss("gguf: deepseek2 key length must exceed rope.dimension_count");
     c.head_dim = c.mla.kv_lora_rank + c.rotary_dim;  // the absorbed width (what the cache holds per token)
     c.n_kv_heads = 1;
-    if (f.Find(p + "expert_count")) {
-      QKV_ASSIGN_OR_RETURN(int64_t ne, f.GetInt(p + "expert_count"));
-      c.n_experts = static_cast<int>(std::clamp<int64_t>(ne, 0, 1 << 20));
-    }
     c.n_dense_lead = 0;
     if (f.Find(p + "leading_dense_block_count")) {
       QKV_ASSIGN_OR_RETURN(int64_t nd, f.GetInt(p + "leading_dense_block_count"));
       c.n_dense_lead = static_cast<int>(std::clamp<int64_t>(nd, 0, 1 << 20));
     }
+    // The experts of the blocks after the leading dense ones (deepseek2.cpp / build_moe_ffn).
+    auto opt_int = [&](const char* k, int* out) -> Status {
+      if (!f.Find(p + k)) return {};
+      QKV_ASSIGN_OR_RETURN(int64_t v, f.GetInt(p + k));
+      if (v < 0 || v > (1 << 20)) return InvalidArgument("gguf: metadata '" + p + k + "' out of range");
+      *out = static_cast<int>(v);
+      return {};
+    };
+    QKV_RETURN_IF_ERROR(opt_int("expert_count", &c.moe.n_experts));
+    QKV_RETURN_IF_ERROR(opt_int("expert_used_count", &c.moe.n_used));
+    QKV_RETURN_IF_ERROR(opt_int("expert_feed_forward_length", &c.moe.expert_ffn));
+    QKV_RETURN_IF_ERROR(opt_int("expert_shared_count", &c.moe.n_shared));
+    QKV_RETURN_IF_ERROR(opt_int("expert_group_count", &c.moe.n_groups));
+    QKV_RETURN_IF_ERROR(opt_int("expert_group_used_count", &c.moe.n_group_used));
+    c.moe.weights_scale = f.GetFloatOr(p + "expert_weights_scale", 0.0);
+    c.moe.norm_weights = f.GetBoolOr(p + "expert_weights_norm", false);
+    int gating = 0;
+    QKV_RETURN_IF_ERROR(opt_int("expert_gating_func", &gating));
+    if (gating == 0) {  // llama.cpp's default for older DeepSeek V2/V2.5 files (and GLM 4.7 Lite's sigmoid)
+      gating = (c.n_layers == 47 || c.n_layers == 48) && vocab_meta == 154880 ? 2 : 1;
+    }
+    if (gating != 1 && gating != 2) {
+      return Unimplemented("gguf: expert gating function " + std::to_string(gating) +
+                           " is not supported (1 softmax, 2 sigmoid)");
+    }
+    c.moe.gating = gating == 2 ? ExpertGating::kSigmoid : ExpertGating::kSoftmax;
+    c.moe.selection_bias = f.FindTensor("blk." + std::to_string(std::min(c.n_dense_lead, c.n_layers - 1)) +
+                                        ".exp_probs_b.bias") != nullptr;
+    if (c.n_dense_lead >= c.n_layers) c.moe = MoeConfig{};  // every block dense: the expert keys are unused
   }
   c.rms_eps = f.GetFloatOr(p + "attention.layer_norm_rms_epsilon", 1e-6);
+  if (c.arch == Arch::kQwen3Moe) {
+    // qwen3moe.cpp: expert_count and expert_used_count are required, expert_feed_forward_length defaults to
+    // feed_forward_length / expert_used_count; softmax gating with the top-k weights always normalized.
+    for (const char* k : {"expert_count", "expert_used_count"}) {
+      if (!f.Find(p + k)) return DataLoss("gguf: qwen3moe needs metadata '" + p + k + "' (llama.cpp requires it)");
+    }
+    QKV_RETURN_IF_ERROR(get_int("expert_count", &c.moe.n_experts));
+    QKV_RETURN_IF_ERROR(get_int("expert_used_count", &c.moe.n_used));
+    c.moe.expert_ffn = c.ffn / c.moe.n_used;
+    if (f.Find(p + "expert_feed_forward_length")) {
+      QKV_RETURN_IF_ERROR(get_int("expert_feed_forward_length", &c.moe.expert_ffn));
+    }
+    c.moe.gating = ExpertGating::kSoftmax;
+    c.moe.norm_weights = true;
+    c.moe.weights_scale = f.GetFloatOr(p + "expert_weights_scale", 0.0);
+  }
   c.attn_output_gate = f.GetBoolOr(kKeyOutputGate, false);
   c.attention_sinks = f.FindTensor("blk.0.attn_sinks.weight") != nullptr;
   c.qk_norm = f.FindTensor("blk.0.attn_q_norm.weight") != nullptr;
@@ -310,9 +378,9 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
   if (!(partial > 0 && partial <= 1)) return InvalidArgument("config: 'partial_rotary_factor' must be in (0, 1]");
   c.rotary_dim = static_cast<int>(c.head_dim * partial);
   c.rotary_dim -= c.rotary_dim % 2;
-  // Architecture defaults as llama.cpp loads them: qwen2 has q/k/v biases, qwen3 has q/k norms.
+  // Architecture defaults as llama.cpp loads them: qwen2 has q/k/v biases, qwen3 (and qwen3moe) q/k norms.
   c.attention_bias = arch == Arch::kQwen2;
-  c.qk_norm = arch == Arch::kQwen3;
+  c.qk_norm = arch == Arch::kQwen3 || arch == Arch::kQwen3Moe;
   QKV_RETURN_IF_ERROR(getb("tie_word_embeddings", &c.tied_embeddings));
   QKV_RETURN_IF_ERROR(getb("attention_bias", &c.attention_bias));
   QKV_RETURN_IF_ERROR(getb("qk_norm", &c.qk_norm));
@@ -351,6 +419,30 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
       QKV_ASSIGN_OR_RETURN(c.rope_yarn_log_mul, num("mscale_all_dim", 0.0));
     }
   }
+  if (arch == Arch::kQwen3Moe) {
+    c.qk_norm = true;
+    QKV_RETURN_IF_ERROR(geti("num_experts", &c.moe.n_experts, true));
+    QKV_RETURN_IF_ERROR(geti("num_experts_per_tok", &c.moe.n_used, true));
+    QKV_RETURN_IF_ERROR(geti("moe_intermediate_size", &c.moe.expert_ffn, true));
+    c.moe.gating = ExpertGating::kSoftmax;
+    c.moe.norm_weights = true;
+    bool norm = true;
+    QKV_RETURN_IF_ERROR(getb("norm_topk_prob", &norm));
+    if (!norm) {
+      return InvalidArgument(
+          "config: 'norm_topk_prob' false is not supported (llama.cpp always normalizes "
+          "qwen3moe's top-k weights)");
+    }
+    int sparse_step = 1;
+    QKV_RETURN_IF_ERROR(geti("decoder_sparse_step", &sparse_step, false));
+    const bool mlp_only =
+        j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array() && !j["mlp_only_layers"].empty();
+    if (sparse_step != 1 || mlp_only) {
+      return InvalidArgument(
+          "config: 'decoder_sparse_step'/'mlp_only_layers' (dense layers in qwen3moe) are not "
+          "supported (llama.cpp reads every qwen3moe layer as MoE)");
+    }
+  }
   if (arch == Arch::kDeepseek2) {
     QKV_RETURN_IF_ERROR(geti("kv_lora_rank", &c.mla.kv_lora_rank, true));
     QKV_RETURN_IF_ERROR(geti("q_lora_rank", &c.mla.q_lora_rank, false));
@@ -358,11 +450,36 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
     QKV_RETURN_IF_ERROR(geti("qk_rope_head_dim", &c.rotary_dim, true));
     QKV_RETURN_IF_ERROR(geti("v_head_dim", &c.mla.v_head_dim, true));
     QKV_RETURN_IF_ERROR(getb("legacy_kv_b", &c.mla.legacy_kv_b));
-    QKV_RETURN_IF_ERROR(geti("n_routed_experts", &c.n_experts, false));
-    c.n_dense_lead = c.n_experts > 0 ? 0 : c.n_layers;
-    if (j.contains("first_k_dense_replace") && j["first_k_dense_replace"].is_number_integer()) {
-      c.n_dense_lead = static_cast<int>(std::clamp<int64_t>(j["first_k_dense_replace"].get<int64_t>(), 0, 1 << 20));
+    QKV_RETURN_IF_ERROR(geti("n_routed_experts", &c.moe.n_experts, false));
+    c.n_dense_lead = c.moe.n_experts > 0 ? 0 : c.n_layers;
+    if (c.moe.n_experts > 0) {
+      MoeConfig& m = c.moe;
+      QKV_RETURN_IF_ERROR(geti("num_experts_per_tok", &m.n_used, true));
+      QKV_RETURN_IF_ERROR(geti("moe_intermediate_size", &m.expert_ffn, true));
+      if (j.contains("n_shared_experts") && j["n_shared_experts"].is_number_integer()) {
+        m.n_shared = static_cast<int>(std::clamp<int64_t>(j["n_shared_experts"].get<int64_t>(), 0, 1 << 20));
+      }
+      QKV_RETURN_IF_ERROR(getb("norm_topk_prob", &m.norm_weights));
+      QKV_RETURN_IF_ERROR(getf("routed_scaling_factor", &m.weights_scale));
+      QKV_RETURN_IF_ERROR(geti("n_group", &m.n_groups, false));
+      QKV_RETURN_IF_ERROR(geti("topk_group", &m.n_group_used, false));
+      if (m.n_groups == 1) m.n_groups = m.n_group_used = 0;
+      const std::string scoring = j.contains("scoring_func") && j["scoring_func"].is_string()
+                                      ? j["scoring_func"].get<std::string>()
+                                      : "softmax";
+      if (scoring != "softmax" && scoring != "sigmoid") {
+        return InvalidArgument("config: 'scoring_func' must be softmax or sigmoid, got '" + scoring + "'");
+      }
+      m.gating = scoring == "sigmoid" ? ExpertGating::kSigmoid : ExpertGating::kSoftmax;
+      // DeepSeek-V3's "noaux_tc" routing adds e_score_correction_bias (exp_probs_b) for selection only.
+      m.selection_bias = j.contains("topk_method") && j["topk_method"] == "noaux_tc";
+    } else {
+      c.moe.expert_ffn = c.ffn;  // written as expert_feed_forward_length, which llama.cpp requires
     }
+    if (j.contains("first_k_dense_replace") && j["first_k_dense_replace"].is_number_integer()) {
+      c.n_dense_lead = static_cast<int>(std::clamp<int64_t>(j["first_k_dense_replace"].get<int64_t>(), 0, c.n_layers));
+    }
+    if (c.n_dense_lead >= c.n_layers) c.n_dense_lead = c.n_layers;
     const bool lite = DeepseekLite(c.n_layers, c.vocab);
     if (lite && c.mla.q_lora_rank > 0) {
       return InvalidArgument(
@@ -407,13 +524,30 @@ void ModelConfig::ToGguf(GgufWriter& w) const {
       w.SetU32(p + "attention.key_length_mla", static_cast<uint32_t>(mla_qk_dim()));
       w.SetU32(p + "attention.value_length_mla", static_cast<uint32_t>(mla.v_head_dim));
     }
-    w.SetU32(p + "expert_feed_forward_length", static_cast<uint32_t>(ffn));
-    w.SetU32(p + "expert_shared_count", 0);
+    const bool experts = moe.n_experts > 0 && n_dense_lead < n_layers;
+    w.SetU32(p + "expert_feed_forward_length", static_cast<uint32_t>(experts ? moe.expert_ffn : ffn));
+    w.SetU32(p + "expert_shared_count", static_cast<uint32_t>(experts ? moe.n_shared : 0));
+    if (experts) {  // as the converter writes them (only what the config has)
+      w.SetU32(p + "expert_count", static_cast<uint32_t>(moe.n_experts));
+      w.SetU32(p + "expert_used_count", static_cast<uint32_t>(moe.n_used));
+      if (moe.n_groups > 1) {
+        w.SetU32(p + "expert_group_count", static_cast<uint32_t>(moe.n_groups));
+        w.SetU32(p + "expert_group_used_count", static_cast<uint32_t>(moe.n_group_used));
+      }
+      if (moe.weights_scale != 0.0) w.SetF32(p + "expert_weights_scale", static_cast<float>(moe.weights_scale));
+      if (moe.norm_weights) w.SetBool(p + "expert_weights_norm", true);
+      w.SetU32(p + "expert_gating_func", moe.gating == ExpertGating::kSigmoid ? 2 : 1);
+    }
   } else {
     w.SetU32(p + "attention.key_length", static_cast<uint32_t>(head_dim));
     w.SetU32(p + "attention.value_length", static_cast<uint32_t>(head_dim));
   }
   w.SetU32(p + "rope.dimension_count", static_cast<uint32_t>(rotary_dim));
+  if (arch == Arch::kQwen3Moe) {
+    w.SetU32(p + "expert_count", static_cast<uint32_t>(moe.n_experts));
+    w.SetU32(p + "expert_used_count", static_cast<uint32_t>(moe.n_used));
+    w.SetU32(p + "expert_feed_forward_length", static_cast<uint32_t>(moe.expert_ffn));
+  }
   if (rope_scaling != RopeScaling::kNone) {
     w.SetString(p + "rope.scaling.type", RopeScalingName(rope_scaling));
     w.SetF32(p + "rope.scaling.factor", static_cast<float>(rope_factor));
@@ -436,6 +570,11 @@ std::string ModelConfig::Summary() const {
     << " rotary_dim=" << rotary_dim << " ffn=" << ffn << " vocab=" << vocab << " ctx=" << context_length
     << (tied_embeddings ? " tied" : "") << (attention_bias ? " bias" : "") << (qk_norm ? " qk_norm" : "")
     << (attn_output_gate ? " output_gate" : "") << (attention_sinks ? " sinks" : "");
+  if (moe.n_experts > 0) {
+    o << " experts=" << moe.n_experts << " used=" << moe.n_used << " expert_ffn=" << moe.expert_ffn;
+    if (moe.n_shared) o << " shared=" << moe.n_shared;
+    if (n_dense_lead) o << " dense_lead=" << n_dense_lead;
+  }
   if (is_mla()) {
     o << " kv_lora_rank=" << mla.kv_lora_rank << " q_lora_rank=" << mla.q_lora_rank << " qk_nope=" << mla.qk_nope_dim
       << " v_head=" << mla.v_head_dim << (mla.legacy_kv_b ? " kv_b" : "");

@@ -11,7 +11,7 @@
 
 namespace qkv {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kDeepseek2 };
+enum class Arch { kLlama, kQwen2, kQwen3, kDeepseek2, kQwen3Moe };
 
 const char* ArchName(Arch a);
 StatusOr<Arch> ParseArch(const std::string& s);
@@ -47,6 +47,22 @@ struct MlaConfig {
   bool legacy_kv_b = false;  // the file has one attn_kv_b instead of attn_k_b / attn_v_b
 };
 
+// Mixture-of-experts FFN blocks (qwen3moe; deepseek2's layers after leading_dense_block_count), as
+// llama.cpp's build_moe_ffn computes them: router logits → softmax or sigmoid → (+ selection bias) →
+// (group-limited) top-k → weights from the unbiased probabilities, normalized and scaled → Σ w_k expert_k.
+enum class ExpertGating { kSoftmax, kSigmoid };
+struct MoeConfig {
+  int n_experts = 0;   // routed experts per MoE layer (0: no MoE layers)
+  int n_used = 0;      // experts per token (top-k)
+  int expert_ffn = 0;  // intermediate size of one expert
+  int n_shared = 0;    // shared experts (deepseek2), one dense SwiGLU of n_shared × expert_ffn
+  ExpertGating gating = ExpertGating::kSoftmax;
+  bool norm_weights = false;           // divide the k weights by their sum (clamped at 6.1035e-5)
+  double weights_scale = 0.0;          // multiply them by it (0 or 1: not applied)
+  int n_groups = 0, n_group_used = 0;  // group-limited routing (deepseek2's n_group / topk_group)
+  bool selection_bias = false;         // blk.N.exp_probs_b.bias is added for selection only
+};
+
 struct ModelConfig {
   Arch arch = Arch::kLlama;
   int hidden = 0;
@@ -76,10 +92,12 @@ struct ModelConfig {
   // deepseek2 (arch kDeepseek2): MLA attention; head_dim is then kv_lora_rank + rotary_dim (the absorbed
   // query/key width, as llama.cpp's key_length) and n_kv_heads 1.
   MlaConfig mla;
-  int n_experts = 0;  // routed experts (files with them are refused until MoE lands)
-  int n_dense_lead = 0;
+  MoeConfig moe;
+  int n_dense_lead = 0;  // deepseek2: the first blocks have a dense FFN; MoE after them
 
   bool is_mla() const { return arch == Arch::kDeepseek2; }
+  // Whether block `block`'s FFN is a mixture of experts.
+  bool is_moe_block(int block) const { return moe.n_experts > 0 && block >= n_dense_lead; }
   // Per head, the query/key width before absorption (qk_nope + qk_rope; llama.cpp's key_length_mla).
   int mla_qk_dim() const { return mla.qk_nope_dim + rotary_dim; }
   RopeParams Rope() const;
@@ -97,10 +115,14 @@ struct ModelConfig {
   }
   const char* AttentionKind() const;  // "MHA", "GQA", "MQA" or "MLA"
   int64_t ParameterCount() const;
+  // Parameters a token uses: the FFN of an MoE block counts only its num_experts_per_tok experts (plus the
+  // router and shared experts); equal to ParameterCount for dense models.
+  int64_t ActiveParameterCount() const;
 
   // Checks internal consistency (divisibility, ranges); the message names the offending field.
   Status Validate() const;
   static StatusOr<ModelConfig> FromGguf(const GgufFile& f);
+  int64_t Parameters(bool active_only) const;
   // Reads Hugging Face config.json names (see tools/qkv_model.cc --help for the list).
   static StatusOr<ModelConfig> FromHfJson(const std::string& json_text, Arch arch);
   void ToGguf(GgufWriter& w) const;

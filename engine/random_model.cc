@@ -82,26 +82,44 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
       }
       matrix(p + "attn_output.weight", H, nh * m.v_head_dim, 1.0 / std::sqrt(nh * m.v_head_dim));
       vec(p + "ffn_norm.weight", H, 0.1, 1.0);
-      matrix(p + "ffn_gate.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
-      matrix(p + "ffn_up.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
-      matrix(p + "ffn_down.weight", H, cfg.ffn, 1.0 / std::sqrt(cfg.ffn));
+      if (!cfg.is_moe_block(l)) {
+        matrix(p + "ffn_gate.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
+        matrix(p + "ffn_up.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
+        matrix(p + "ffn_down.weight", H, cfg.ffn, 1.0 / std::sqrt(cfg.ffn));
+        continue;
+      }
+    } else {
+      matrix(p + "attn_q.weight", q_rows, H, 1.0 / std::sqrt(H));
+      matrix(p + "attn_k.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
+      matrix(p + "attn_v.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
+      if (cfg.attention_bias) {
+        vec(p + "attn_q.bias", q_rows, 0.1, 0.0);
+        vec(p + "attn_k.bias", cfg.kv_dim(), 0.1, 0.0);
+        vec(p + "attn_v.bias", cfg.kv_dim(), 0.1, 0.0);
+      }
+      if (cfg.qk_norm) {
+        vec(p + "attn_q_norm.weight", cfg.head_dim, 0.1, 1.0);
+        vec(p + "attn_k_norm.weight", cfg.head_dim, 0.1, 1.0);
+      }
+      if (cfg.attention_sinks) vec(p + "attn_sinks.weight", cfg.n_heads, 1.0, 0.0);
+      matrix(p + "attn_output.weight", H, cfg.q_dim(), 1.0 / std::sqrt(cfg.q_dim()));
+      vec(p + "ffn_norm.weight", H, 0.1, 1.0);
+    }
+    if (cfg.is_moe_block(l)) {  // stacked experts, as llama.cpp's converters write them
+      const MoeConfig& m = cfg.moe;
+      matrix(p + "ffn_gate_inp.weight", m.n_experts, H, 1.0 / std::sqrt(H));
+      planes(p + "ffn_gate_exps.weight", m.n_experts, m.expert_ffn, H, 1.0 / std::sqrt(H));
+      planes(p + "ffn_up_exps.weight", m.n_experts, m.expert_ffn, H, 1.0 / std::sqrt(H));
+      planes(p + "ffn_down_exps.weight", m.n_experts, H, m.expert_ffn, 1.0 / std::sqrt(m.expert_ffn));
+      if (m.selection_bias) vec(p + "exp_probs_b.bias", m.n_experts, 0.05, 0.0);
+      if (m.n_shared > 0) {
+        const int SF = m.n_shared * m.expert_ffn;
+        matrix(p + "ffn_gate_shexp.weight", SF, H, 1.0 / std::sqrt(H));
+        matrix(p + "ffn_up_shexp.weight", SF, H, 1.0 / std::sqrt(H));
+        matrix(p + "ffn_down_shexp.weight", H, SF, 1.0 / std::sqrt(SF));
+      }
       continue;
     }
-    matrix(p + "attn_q.weight", q_rows, H, 1.0 / std::sqrt(H));
-    matrix(p + "attn_k.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
-    matrix(p + "attn_v.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
-    if (cfg.attention_bias) {
-      vec(p + "attn_q.bias", q_rows, 0.1, 0.0);
-      vec(p + "attn_k.bias", cfg.kv_dim(), 0.1, 0.0);
-      vec(p + "attn_v.bias", cfg.kv_dim(), 0.1, 0.0);
-    }
-    if (cfg.qk_norm) {
-      vec(p + "attn_q_norm.weight", cfg.head_dim, 0.1, 1.0);
-      vec(p + "attn_k_norm.weight", cfg.head_dim, 0.1, 1.0);
-    }
-    if (cfg.attention_sinks) vec(p + "attn_sinks.weight", cfg.n_heads, 1.0, 0.0);
-    matrix(p + "attn_output.weight", H, cfg.q_dim(), 1.0 / std::sqrt(cfg.q_dim()));
-    vec(p + "ffn_norm.weight", H, 0.1, 1.0);
     matrix(p + "ffn_gate.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
     matrix(p + "ffn_up.weight", cfg.ffn, H, 1.0 / std::sqrt(H));
     matrix(p + "ffn_down.weight", H, cfg.ffn, 1.0 / std::sqrt(cfg.ffn));

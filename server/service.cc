@@ -617,6 +617,11 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
     resp->set_qk_rope_head_dim(c.rotary_dim);
     resp->set_v_head_dim(c.mla.v_head_dim);
   }
+  resp->set_num_parameters(c.ParameterCount());
+  resp->set_active_parameters(c.ActiveParameterCount());
+  resp->set_weight_bytes_per_token(static_cast<int64_t>(m.weight_bytes_per_token()));
+  resp->set_num_experts(c.moe.n_experts);
+  resp->set_experts_per_token(c.moe.n_used);
   resp->set_rope_scaling(RopeScalingName(c.rope_scaling));
   resp->set_rope_scaling_factor(c.rope_factor);
   resp->set_rope_original_context(c.rope_scaling == RopeScaling::kNone ? 0 : c.Rope().orig_ctx);

@@ -37,9 +37,9 @@ Result Drain(const std::shared_ptr<RequestStream>& s) {
   }
 }
 
-// Every engine test runs on a bf16 and on an int8 KV cache, with grouped-query attention (qwen3) and with
-// MLA (deepseek2, a latent cache): sessions, prefix caching, fork with copy-on-write, truncation, eviction
-// and preemption must behave the same on all of them.
+// Every engine test runs on a bf16 and on an int8 KV cache, with grouped-query attention (qwen3), with
+// MLA (deepseek2, a latent cache) and with a mixture of experts (qwen3moe): sessions, prefix caching, fork
+// with copy-on-write, truncation, eviction and preemption must behave the same on all of them.
 class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
  protected:
   void Start(int64_t kv_blocks = 256, int max_batched = 64, int block_size = 16, bool prefix = true) {
@@ -599,7 +599,7 @@ TEST_P(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kv, EngineTest,
-                         ::testing::Combine(::testing::Values(Arch::kQwen3, Arch::kDeepseek2),
+                         ::testing::Combine(::testing::Values(Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe),
                                             ::testing::Values(DType::kBF16, DType::kI8)),
                          [](const auto& info) {
                            const Arch a = std::get<0>(info.param);

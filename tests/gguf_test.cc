@@ -215,7 +215,7 @@ TEST(Gguf, ModelLoadNamesMissingAndMisshapenTensors) {
 }
 
 // deepseek2 metadata is read as llama.cpp reads it: q_lora_rank is required unless the model has 26 or 27
-// layers, the expert keys are required even for dense layers, and expert layers are refused (until MoE).
+// layers, the expert keys are required even for dense layers, and expert blocks need experts.
 TEST(Gguf, Deepseek2MetadataAsLlamaCppReadsIt) {
   const std::string path = testing::WriteModel(testing::SmallConfig(Arch::kDeepseek2), "mla_src");
   auto f = GgufFile::Open(path);
@@ -232,8 +232,9 @@ TEST(Gguf, Deepseek2MetadataAsLlamaCppReadsIt) {
        "",
        "'deepseek2.expert_feed_forward_length' (llama.cpp requires it)"},
       {"deepseek2.expert_shared_count", {}, "", "'deepseek2.expert_shared_count'"},
-      {"", {{"deepseek2.leading_dense_block_count", 1}}, "", "mixture-of-experts layers are not supported yet"},
-      {"deepseek2.leading_dense_block_count", {}, "", "mixture-of-experts"},  // llama.cpp's default is 0
+      // expert blocks after the leading dense ones need experts (llama.cpp: "n_expert must be > 0")
+      {"", {{"deepseek2.leading_dense_block_count", 1}}, "", "need expert_count > 0"},
+      {"deepseek2.leading_dense_block_count", {}, "", "need expert_count > 0"},  // llama.cpp's default is 0
       {"", {}, "blk.1.attn_k_b.weight", "missing tensor 'blk.1.attn_k_b.weight'"},
       {"", {{"deepseek2.attention.kv_lora_rank", 40}}, "", "'blk.0.attn_kv_a_norm.weight' has shape"},
       {"", {{"deepseek2.rope.dimension_count", 64}}, "", "key length must exceed rope.dimension_count"},
@@ -251,16 +252,38 @@ TEST(Gguf, Deepseek2MetadataAsLlamaCppReadsIt) {
   EXPECT_STREQ((*m)->config().AttentionKind(), "MLA");
 }
 
+// qwen3moe needs expert_count and expert_used_count (llama.cpp requires them); the expert width defaults
+// to feed_forward_length / expert_used_count.
+TEST(Gguf, Qwen3MoeMetadataAsLlamaCppReadsIt) {
+  const std::string path = testing::WriteModel(testing::SmallConfig(Arch::kQwen3Moe), "moe_src");
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok());
+  for (const char* key : {"qwen3moe.expert_count", "qwen3moe.expert_used_count"}) {
+    const std::string err = LoadError(Rewrite(**f, std::string("moe_no_") + key, key, {}));
+    EXPECT_NE(err.find(std::string("needs metadata '") + key), std::string::npos) << err;
+  }
+  EXPECT_NE(LoadError(Rewrite(**f, "moe_used9", "", {{"qwen3moe.expert_used_count", 9}})).find("num_experts_per_tok"),
+            std::string::npos);
+  EXPECT_NE(LoadError(Rewrite(**f, "moe_no_gate_exps", "", {}, "blk.1.ffn_up_exps.weight"))
+                .find("missing tensor 'blk.1.ffn_up_exps.weight'"),
+            std::string::npos);
+  auto cfg = ModelConfig::FromGguf(**f);
+  ASSERT_TRUE(cfg.ok());
+  EXPECT_EQ(cfg->moe.expert_ffn, 48);
+  EXPECT_LT(cfg->ActiveParameterCount(), cfg->ParameterCount());
+}
+
 // Truncates and corrupts a valid model many times: parsing and loading must fail cleanly or succeed,
 // never crash or read out of bounds (run under ASan/valgrind to see the latter).
 // Also on a quantized file (Q4_K_M on 256-wide rows: Q4_K, Q6_K and Q5_0 tensors), whose corrupted scales
-// must not crash the load either.
+// must not crash the load either, and on an MLA (deepseek2) file.
 TEST(Gguf, FuzzedFilesNeverCrash) {
   ModelConfig qcfg = testing::SmallConfig(Arch::kQwen2);
   qcfg.hidden = 256, qcfg.ffn = 256, qcfg.head_dim = 32, qcfg.rotary_dim = 32;
   const std::string qpath = testing::TempDir() + "/fuzz_src_q4_k_m.gguf";
   ASSERT_TRUE(WriteRandomModel(qcfg, {GgmlType::kF32, 1, "Q4_K_M", {}}, qpath).ok());
-  for (const std::string& path : {testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "fuzz_src"), qpath}) {
+  for (const std::string& path : {testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "fuzz_src"), qpath,
+                                  testing::WriteModel(testing::SmallConfig(Arch::kDeepseek2), "fuzz_src_mla")}) {
     const std::vector<uint8_t> good = ReadAll(path);
     ASSERT_GT(good.size(), 1000u);
     std::mt19937_64 rng(123);

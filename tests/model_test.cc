@@ -182,6 +182,7 @@ TEST_P(ModelArchTest, QuantizedWeightsKeepTheSameBits) {
   for (const char* preset : {"Q8_0", "Q4_K_M"}) {
     ModelConfig cfg = testing::SmallConfig(GetParam());
     if (std::string(preset) == "Q4_K_M") cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
+    if (cfg.moe.n_experts > 0 && std::string(preset) == "Q4_K_M") cfg.moe.expert_ffn = 256;
     if (cfg.is_mla() && std::string(preset) == "Q4_K_M") {  // 256-wide latent and query rows
       cfg.mla.kv_lora_rank = 64, cfg.mla.q_lora_rank = 256, cfg.head_dim = 64 + 32, cfg.mla.qk_nope_dim = 32;
     }
@@ -194,8 +195,28 @@ TEST_P(ModelArchTest, QuantizedWeightsKeepTheSameBits) {
   }
 }
 
+// deepseek2 with routed experts after a leading dense block, shared experts, sigmoid gating, the selection
+// bias and group-limited routing (DeepSeek-V3's router): chunking and batch composition keep the bits.
+TEST(Model, DeepseekExpertsKeepTheSameBits) {
+  ModelConfig cfg = testing::SmallConfig(Arch::kDeepseek2);
+  cfg.n_layers = 3;
+  cfg.n_dense_lead = 1;
+  cfg.moe = {/*n_experts=*/8,       /*n_used=*/2,           /*expert_ffn=*/32,
+             /*n_shared=*/1,        ExpertGating::kSigmoid,
+             /*norm_weights=*/true, /*weights_scale=*/2.5,  /*n_groups=*/4,
+             /*n_group_used=*/2,    /*selection_bias=*/true};
+  const auto path = testing::WriteModel(cfg, "ds3_moe");
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    auto m = Load(path, dt, dt, 256, 64);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->layers()[3]->kind(), "moe_swiglu");
+    EXPECT_EQ(m->layers()[1]->kind(), "dense_swiglu");
+    CheckChunkingAndBatches(*m, DTypeName(dt));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest,
-                         ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3, Arch::kDeepseek2),
+                         ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe),
                          [](const auto& info) { return std::string(ArchName(info.param)); });
 
 // V is never rotated: in layer 0 the value of a token depends only on the token, so the same token at

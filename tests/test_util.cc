@@ -35,8 +35,14 @@ ModelConfig SmallConfig(Arch arch) {
   c.ffn = 160;
   c.vocab = 400;
   c.context_length = 256;
-  c.qk_norm = arch == Arch::kQwen3;
+  c.qk_norm = arch == Arch::kQwen3 || arch == Arch::kQwen3Moe;
   c.attention_bias = arch == Arch::kQwen2;
+  if (arch == Arch::kQwen3Moe) {  // 8 experts of 48, 2 per token
+    c.moe.n_experts = 8;
+    c.moe.n_used = 2;
+    c.moe.expert_ffn = 48;
+    c.moe.norm_weights = true;
+  }
   if (arch == Arch::kDeepseek2) {  // MLA: a latent of 32 and a rope key of 16 per token and layer
     c.mla = {/*q_lora_rank=*/24, /*kv_lora_rank=*/32, /*qk_nope_dim=*/16, /*v_head_dim=*/12, false};
     c.n_kv_heads = 1;

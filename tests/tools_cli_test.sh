@@ -90,7 +90,7 @@ expect_error "'q_lora_rank' null needs 26 or 27 layers" "$bin/qkv-model" random 
 sed 's/"kv_lora_rank": 32, //' "$tmp/mla.json" > "$tmp/mla_nokv.json"
 expect_error "missing 'kv_lora_rank'" "$bin/qkv-model" random --config "$tmp/mla_nokv.json" --out "$tmp/x.gguf" --arch deepseek2
 sed 's/"vocab_size": 300,/"vocab_size": 300, "n_routed_experts": 8,/' "$tmp/mla.json" > "$tmp/mla_moe.json"
-expect_error "mixture-of-experts layers are not supported yet" "$bin/qkv-model" random --config "$tmp/mla_moe.json" --out "$tmp/x.gguf" --arch deepseek2
+expect_error "missing 'num_experts_per_tok'" "$bin/qkv-model" random --config "$tmp/mla_moe.json" --out "$tmp/x.gguf" --arch deepseek2
 sed 's/"type": "yarn"/"type": "longrope"/' "$tmp/mla.json" > "$tmp/mla_lr.json"
 expect_error "rope scaling 'longrope' is not supported" "$bin/qkv-model" random --config "$tmp/mla_lr.json" --out "$tmp/x.gguf" --arch deepseek2
 echo "tools_cli: 25 passed, 0 failed"

@@ -1,7 +1,6 @@
 // qkv-model: make and inspect model files.
-//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3] [--dtype TYPE|PRESET] [--seed N]
-//   qkv-model quantize IN.gguf OUT.gguf --type PRESET [--threads N] [--quiet]
-//   qkv-model info MODEL.gguf
+//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3|deepseek2] [--dtype TYPE|PRESET]
+//   [--seed N] qkv-model quantize IN.gguf OUT.gguf --type PRESET [--threads N] [--quiet] qkv-model info MODEL.gguf
 //   qkv-model dequant MODEL.gguf --tensor NAME --out FILE
 //   qkv-model tokenize (--model MODEL.gguf | --tokenizer tokenizer.json) [--decode] [--parse-special] [--add-special]
 //     reads one JSON string per line and prints one JSON array of ids per line (--decode: the reverse)
@@ -92,6 +91,15 @@ int Info(const std::string& path) {
   } else {
     std::cout << cfg->n_kv_heads << " kv heads)\n";
   }
+  if (cfg->moe.n_experts > 0) {
+    const qkv::MoeConfig& m = cfg->moe;
+    std::cout << "experts:           " << m.n_experts << " routed, " << m.n_used << " per token ("
+              << (m.gating == qkv::ExpertGating::kSoftmax ? "softmax" : "sigmoid") << " router"
+              << (m.norm_weights ? ", weights normalized" : "") << "), expert ffn " << m.expert_ffn;
+    if (m.n_shared) std::cout << ", " << m.n_shared << " shared";
+    if (m.n_groups > 1) std::cout << ", " << m.n_group_used << " of " << m.n_groups << " groups";
+    std::cout << "\n";
+  }
   std::cout << "rope scaling:      " << qkv::RopeScalingName(cfg->rope_scaling);
   if (cfg->rope_scaling != qkv::RopeScaling::kNone) {
     std::cout << " x" << cfg->rope_factor << ", original context " << cfg->Rope().orig_ctx;
@@ -100,7 +108,8 @@ int Info(const std::string& path) {
             << "rope:              "
             << (qkv::RopeStyleOf(cfg->arch) == qkv::RopeStyle::kInterleaved ? "interleaved pairs" : "halves")
             << ", rotary_dim " << cfg->rotary_dim << " of " << cfg->head_dim << ", theta " << cfg->rope_theta << "\n"
-            << "parameters:        " << cfg->ParameterCount() << "\n"
+            << "parameters:        " << cfg->ParameterCount() << " (active per token " << cfg->ActiveParameterCount()
+            << ")\n"
             << "weight bytes:      " << weight_bytes << " (";
   bool first = true;
   for (const auto& [name, n] : types) {
@@ -236,7 +245,8 @@ int main(int argc, char** argv) {
                    "Hugging Face config.json (plus attention_bias, attn_output_gate, attention_sinks, qk_norm)")
       ->required();
   random->add_option("--out", out, "output GGUF path")->required();
-  random->add_option("--arch", arch, "architecture: llama, qwen2 or qwen3")->capture_default_str();
+  random->add_option("--arch", arch, "architecture: llama, qwen2, qwen3 or deepseek2 (MLA; DeepSeek-V2 config names)")
+      ->capture_default_str();
   random
       ->add_option("--dtype", dtype,
                    "weight type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, "

@@ -20,50 +20,130 @@ inline float HSum8(__m256 v) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-// a · b over n values: 8 lanes, reduced in a fixed order, then the tail in order.
-inline float DotF(const float* a, const float* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float r = HSum8(acc);
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
-
 inline __m256 I8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// a · q over n int8 values (the same lane structure as DotF).
-inline float DotI8(const float* a, const int8_t* q, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), I8x8(q + i), acc);
-  float r = HSum8(acc);
-  for (; i < n; ++i) r += a[i] * static_cast<float>(q[i]);
-  return r;
-}
-
+// The bf16 scale of vector j of an int8 region (its bs × width values come first).
 inline float ScaleAt(const uint8_t* region, int bs, int width, int j) {
   uint16_t h;
   std::memcpy(&h, region + static_cast<size_t>(bs) * width + 2 * j, 2);
   return Bf16ToF32(h);
 }
 
-// o[0, n) += w · v[0, n) (one FMA per element, in the caller's position order).
-inline void Axpy(float w, const float* v, float* o, int n) {
-  const __m256 wb = _mm256_set1_ps(w);
-  int d = 0;
-  for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-  for (; d < n; ++d) o[d] = std::fma(w, v[d], o[d]);
+// 8 values of a cached row, as f32: an f32 row (bf16 blocks are converted to f32 first) or an int8 one.
+template <bool I8>
+inline __m256 Load8(const void* row, int i) {
+  if constexpr (I8) {
+    return I8x8(static_cast<const int8_t*>(row) + i);
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+  }
+}
+template <bool I8>
+inline float At(const void* row, int i) {
+  if constexpr (I8) {
+    return static_cast<float>(static_cast<const int8_t*>(row)[i]);
+  } else {
+    return static_cast<const float*>(row)[i];
+  }
 }
 
-inline void AxpyI8(float w, const int8_t* v, float* o, int n) {
-  const __m256 wb = _mm256_set1_ps(w);
-  int d = 0;
-  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wb, I8x8(v + d), _mm256_loadu_ps(o + d)));
-  for (; d < n; ++d) o[d] = std::fma(w, static_cast<float>(v[d]), o[d]);
+// dots[h] = q_h · row over n values for NH heads: per head one 8-lane FMA chain over the row (loaded once
+// for all heads), reduced in a fixed order, then the tail in order. A head's value is the same whatever NH.
+template <int NH, bool I8>
+inline void Dots(const float* const* q, const void* row, int n, float* dots) {
+  __m256 acc[NH];
+  for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 k = Load8<I8>(row, i);
+    for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), k, acc[h]);
+  }
+  for (int h = 0; h < NH; ++h) {
+    float r = HSum8(acc[h]);
+    for (int t = i; t < n; ++t) r += q[h][t] * At<I8>(row, t);
+    dots[h] = r;
+  }
+}
+
+// o_h[0, n) += Σ_j w_h[j] · row_j for NH heads over nj rows (row j at rows + j × stride elements): every
+// element one FMA chain in position order; each row chunk is loaded once for all heads.
+template <int NH, bool I8>
+inline void WeightedRows(const float* const* w, const void* rows, size_t stride, int nj, int n, float* const* o) {
+  const auto row = [&](int j) {
+    if constexpr (I8) {
+      return static_cast<const void*>(static_cast<const int8_t*>(rows) + static_cast<size_t>(j) * stride);
+    } else {
+      return static_cast<const void*>(static_cast<const float*>(rows) + static_cast<size_t>(j) * stride);
+    }
+  };
+  int d0 = 0;
+  for (; d0 + 16 <= n; d0 += 16) {
+    __m256 acc[NH][2];
+    for (int h = 0; h < NH; ++h) acc[h][0] = _mm256_loadu_ps(o[h] + d0), acc[h][1] = _mm256_loadu_ps(o[h] + d0 + 8);
+    for (int j = 0; j < nj; ++j) {
+      const void* r = row(j);
+      const __m256 v0 = Load8<I8>(r, d0), v1 = Load8<I8>(r, d0 + 8);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 wb = _mm256_broadcast_ss(w[h] + j);
+        acc[h][0] = _mm256_fmadd_ps(wb, v0, acc[h][0]);
+        acc[h][1] = _mm256_fmadd_ps(wb, v1, acc[h][1]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(o[h] + d0, acc[h][0]), _mm256_storeu_ps(o[h] + d0 + 8, acc[h][1]);
+  }
+  for (; d0 < n; ++d0) {
+    for (int h = 0; h < NH; ++h) {
+      float a = o[h][d0];
+      for (int j = 0; j < nj; ++j) a = std::fma(w[h][j], At<I8>(row(j), d0), a);
+      o[h][d0] = a;
+    }
+  }
+}
+
+// Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against one cached token: its latent row
+// (R values) and rope row (P values), in groups of up to 4 heads that share each load. int8 rows carry
+// their scales cs, rs. Written to scores[h × stride + col].
+template <bool I8>
+void ScoreToken(const float* q, int W, int R, int P, int nh, const void* crow, const void* rrow, float cs, float rs,
+                float scale, float* scores, size_t stride, size_t col) {
+  for (int h = 0; h < nh; h += 4) {
+    const int n = std::min(4, nh - h);
+    const float* qc[4];
+    const float* qr[4];
+    for (int i = 0; i < n; ++i) qc[i] = q + static_cast<size_t>(h + i) * W, qr[i] = qc[i] + R;
+    float dc[4], dr[4];
+    switch (n) {
+      case 4: Dots<4, I8>(qc, crow, R, dc), Dots<4, I8>(qr, rrow, P, dr); break;
+      case 3: Dots<3, I8>(qc, crow, R, dc), Dots<3, I8>(qr, rrow, P, dr); break;
+      case 2: Dots<2, I8>(qc, crow, R, dc), Dots<2, I8>(qr, rrow, P, dr); break;
+      default: Dots<1, I8>(qc, crow, R, dc), Dots<1, I8>(qr, rrow, P, dr); break;
+    }
+    for (int i = 0; i < n; ++i) {
+      const float v = I8 ? dc[i] * cs + dr[i] * rs : dc[i] + dr[i];
+      scores[static_cast<size_t>(h + i) * stride + col] = v * scale;
+    }
+  }
+}
+
+// out_h += Σ_j w_h[j] · c_j over one block's nj latent rows for heads [0, nh) (weights at w + h × stride,
+// outputs at out + h × R), in groups of up to 4 heads.
+template <bool I8>
+void WeightBlock(const float* w, size_t stride, int nh, const void* rows, int nj, int R, float* out) {
+  for (int h = 0; h < nh; h += 4) {
+    const int n = std::min(4, nh - h);
+    const float* wp[4];
+    float* op[4];
+    for (int i = 0; i < n; ++i)
+      wp[i] = w + static_cast<size_t>(h + i) * stride, op[i] = out + static_cast<size_t>(h + i) * R;
+    switch (n) {
+      case 4: WeightedRows<4, I8>(wp, rows, R, nj, R, op); break;
+      case 3: WeightedRows<3, I8>(wp, rows, R, nj, R, op); break;
+      case 2: WeightedRows<2, I8>(wp, rows, R, nj, R, op); break;
+      default: WeightedRows<1, I8>(wp, rows, R, nj, R, op); break;
+    }
+  }
 }
 
 }  // namespace
@@ -102,26 +182,26 @@ void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, co
   const bool i8 = s.dtype == DType::kI8;
 
   // Pass 1: scores, block by block in position order.
+  const float* qh0 = q + static_cast<size_t>(h0) * W;
   for (int b = 0; b < n_blocks; ++b) {
     const int nj = std::min(bs, n_ctx - b * bs);
     const uint8_t* c = kv.K(layer, blocks[b], 0);
     const uint8_t* r = kv.V(layer, blocks[b], 0);
-    if (!i8) {
-      KvToF32(c, nj * R, s.dtype, blk_c);
-      KvToF32(r, nj * P, s.dtype, blk_r);
-    }
-    for (int j = 0; j < nj; ++j) {
-      for (int hh = 0; hh < nh; ++hh) {
-        const float* qh = q + static_cast<size_t>(h0 + hh) * W;
-        float sc;
-        if (i8) {
-          sc = DotI8(qh, reinterpret_cast<const int8_t*>(c) + static_cast<size_t>(j) * R, R) * ScaleAt(c, bs, R, j) +
-               DotI8(qh + R, reinterpret_cast<const int8_t*>(r) + static_cast<size_t>(j) * P, P) * ScaleAt(r, bs, P, j);
-        } else {
-          sc = DotF(qh, blk_c + static_cast<size_t>(j) * R, R) + DotF(qh + R, blk_r + static_cast<size_t>(j) * P, P);
-        }
-        scores[hh * stride + static_cast<size_t>(b) * bs + j] = sc * scale;
+    const size_t col = static_cast<size_t>(b) * bs;
+    if (i8) {
+      const auto* ci = reinterpret_cast<const int8_t*>(c);
+      const auto* ri = reinterpret_cast<const int8_t*>(r);
+      for (int j = 0; j < nj; ++j) {
+        ScoreToken<true>(qh0, W, R, P, nh, ci + static_cast<size_t>(j) * R, ri + static_cast<size_t>(j) * P,
+                         ScaleAt(c, bs, R, j), ScaleAt(r, bs, P, j), scale, scores, stride, col + j);
       }
+      continue;
+    }
+    KvToF32(c, nj * R, s.dtype, blk_c);
+    KvToF32(r, nj * P, s.dtype, blk_r);
+    for (int j = 0; j < nj; ++j) {
+      ScoreToken<false>(qh0, W, R, P, nh, blk_c + static_cast<size_t>(j) * R, blk_r + static_cast<size_t>(j) * P, 1.0f,
+                        1.0f, scale, scores, stride, col + j);
     }
   }
   // Softmax per head over [0, n_ctx); lanes past n_ctx up to the vector end are set to -inf (weight 0).
@@ -137,22 +217,20 @@ void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, co
     for (int j = 0; j < n_ctx; ++j) sc[j] *= inv;
     std::memset(out + static_cast<size_t>(h0 + hh) * R, 0, sizeof(float) * R);
   }
-  // Pass 2: out_h = Σ_j w_hj c_j in position order.
+  // Pass 2: out_h = Σ_j w_hj c_j in position order (int8: w_hj × s_j on the int8 rows).
+  float* oh0 = out + static_cast<size_t>(h0) * R;
   for (int b = 0; b < n_blocks; ++b) {
     const int nj = std::min(bs, n_ctx - b * bs);
     const uint8_t* c = kv.K(layer, blocks[b], 0);
-    if (!i8) KvToF32(c, nj * R, s.dtype, blk_c);
-    for (int hh = 0; hh < nh; ++hh) {
-      const float* w = scores + hh * stride + static_cast<size_t>(b) * bs;
-      float* o = out + static_cast<size_t>(h0 + hh) * R;
-      for (int j = 0; j < nj; ++j) {
-        if (i8) {
-          AxpyI8(w[j] * ScaleAt(c, bs, R, j), reinterpret_cast<const int8_t*>(c) + static_cast<size_t>(j) * R, o, R);
-        } else {
-          Axpy(w[j], blk_c + static_cast<size_t>(j) * R, o, R);
-        }
-      }
+    float* w = scores + static_cast<size_t>(b) * bs;
+    if (i8) {
+      for (int hh = 0; hh < nh; ++hh)
+        for (int j = 0; j < nj; ++j) w[hh * stride + j] *= ScaleAt(c, bs, R, j);
+      WeightBlock<true>(w, stride, nh, c, nj, R, oh0);
+      continue;
     }
+    KvToF32(c, nj * R, s.dtype, blk_c);
+    WeightBlock<false>(w, stride, nh, blk_c, nj, R, oh0);
   }
 }
 

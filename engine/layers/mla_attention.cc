@@ -29,15 +29,13 @@ class MlaAttention final : public Layer {
   }
   size_t weight_bytes_per_token() const override {
     size_t n = a_->weight_bytes() + o_->weight_bytes() + (q_b_ ? q_b_->weight_bytes() : 0);
-    for (const auto& l : k_b_) n += l->weight_bytes();
-    for (const auto& l : v_b_) n += l->weight_bytes();
+    for (const auto& w : k_b_) n += w.bytes();
+    for (const auto& w : v_b_) n += w.bytes();
     return n;
   }
   void ForEachLinear(const std::function<void(const Linear&)>& f) const override {
     f(*a_);
     if (q_b_) f(*q_b_);
-    for (const auto& l : k_b_) f(*l);
-    for (const auto& l : v_b_) f(*l);
     f(*o_);
   }
   CacheSpec cache() const override {  // one latent and one rope key per token: nothing per head
@@ -47,8 +45,7 @@ class MlaAttention final : public Layer {
     return LatentAttentionScratchFloats(nh_, n_ctx, R_, P_, block_size);
   }
   size_t scratch_bytes() const override {
-    return sizeof(float) * (a_buf_.size() + qa_buf_.size() + q_buf_.size() + gin_.size() + gout_.size() + qm_.size() +
-                            ol_.size() + ao_.size());
+    return sizeof(float) * (a_buf_.size() + qa_buf_.size() + q_buf_.size() + qm_.size() + ol_.size() + ao_.size());
   }
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
@@ -64,9 +61,12 @@ class MlaAttention final : public Layer {
   float scale_ = 1.0f;
   std::vector<float> norm_, q_a_norm_, kv_a_norm_;
   std::unique_ptr<Linear> a_, q_b_, o_;
-  std::vector<std::unique_ptr<Linear>> k_b_, v_b_;  // per head: W_UKᵀ [R, qk_nope] and W_UV [v_head, R]
+  // Per head: W_UKᵀ [R, qk_nope] and W_UV [v_head, R], small enough to run one head per thread on the
+  // engine's own packed GEMM (strided rows in and out, the same bits at every kernel level); held as bf16
+  // or f32 (the weights dtype), also when the file has them quantized.
+  std::vector<PackedWeights> k_b_, v_b_;
   // Scratch for max_rows rows, sized at load.
-  std::vector<float> a_buf_, qa_buf_, q_buf_, gin_, gout_, qm_, ol_, ao_;
+  std::vector<float> a_buf_, qa_buf_, q_buf_, qm_, ol_, ao_;
 };
 
 StatusOr<std::unique_ptr<Layer>> MlaAttention::Make(const LayerInit& in) {
@@ -109,29 +109,29 @@ StatusOr<std::unique_ptr<Layer>> MlaAttention::Make(const LayerInit& in) {
   if (ql > 0) {
     QKV_ASSIGN_OR_RETURN(L->q_b_, mk({{p + "attn_q_b.weight", U(nh * dk), 0, nh * dk}}, ql));
   }
+  // Per-head W_UKᵀ ([R, qk_nope] row-major) and W_UV ([v_head, R]) as f32, then packed.
+  std::vector<float> wk(static_cast<size_t>(nh) * R * dn), wv(static_cast<size_t>(nh) * dv * R);
   if (c.mla.legacy_kv_b) {
     // attn_kv_b {kv_lora_rank, n_head × (qk_nope + v_head)}: per head qk_nope rows of W_UK, then v_head rows
     // of W_UV. W_UK is transposed here into the absorbed query's [R, qk_nope].
-    const std::string t = p + "attn_kv_b.weight";
-    const uint64_t rows = U(nh * (dn + dv));
-    QKV_ASSIGN_OR_RETURN(std::vector<float> kvb, ReadTensor(in.file, t, {U(R), rows}));
-    std::vector<float> wt(static_cast<size_t>(R) * dn);
+    QKV_ASSIGN_OR_RETURN(std::vector<float> kvb,
+                         ReadTensor(in.file, p + "attn_kv_b.weight", {U(R), U(nh * (dn + dv))}));
     for (int h = 0; h < nh; ++h) {
+      const float* rows = &kvb[static_cast<size_t>(h) * (dn + dv) * R];
       for (int r = 0; r < R; ++r)
         for (int d = 0; d < dn; ++d)
-          wt[static_cast<size_t>(r) * dn + d] = kvb[(static_cast<size_t>(h) * (dn + dv) + d) * R + r];
-      QKV_ASSIGN_OR_RETURN(auto kb, Linear::Create(in.gemm, wt.data(), nullptr, R, dn, in.weights_dtype));
-      L->k_b_.push_back(std::move(kb));
-      QKV_ASSIGN_OR_RETURN(auto vb, mk({{t, rows, h * (dn + dv) + dn, dv}}, R));
-      L->v_b_.push_back(std::move(vb));
+          wk[(static_cast<size_t>(h) * R + r) * dn + d] = rows[static_cast<size_t>(d) * R + r];
+      std::copy_n(rows + static_cast<size_t>(dn) * R, static_cast<size_t>(dv) * R,
+                  &wv[static_cast<size_t>(h) * dv * R]);
     }
   } else {
-    for (int h = 0; h < nh; ++h) {
-      QKV_ASSIGN_OR_RETURN(auto kb, mk({{p + "attn_k_b.weight", U(R * nh), h * R, R, U(nh)}}, dn));
-      L->k_b_.push_back(std::move(kb));
-      QKV_ASSIGN_OR_RETURN(auto vb, mk({{p + "attn_v_b.weight", U(dv * nh), h * dv, dv, U(nh)}}, R));
-      L->v_b_.push_back(std::move(vb));
-    }
+    QKV_ASSIGN_OR_RETURN(wk, ReadTensor(in.file, p + "attn_k_b.weight", {U(dn), U(R), U(nh)}));
+    QKV_ASSIGN_OR_RETURN(wv, ReadTensor(in.file, p + "attn_v_b.weight", {U(R), U(dv), U(nh)}));
+  }
+  const bool bf16 = in.weights_dtype == DType::kBF16;
+  for (int h = 0; h < nh; ++h) {
+    L->k_b_.emplace_back(&wk[static_cast<size_t>(h) * R * dn], nullptr, R, dn, bf16);
+    L->v_b_.emplace_back(&wv[static_cast<size_t>(h) * dv * R], nullptr, dv, R, bf16);
   }
   QKV_ASSIGN_OR_RETURN(L->o_, mk({{p + "attn_output.weight", H, 0, c.hidden}}, nh * dv));
   const auto rows = static_cast<size_t>(std::max(in.max_rows, 1));
@@ -140,8 +140,6 @@ StatusOr<std::unique_ptr<Layer>> MlaAttention::Make(const LayerInit& in) {
     L->qa_buf_.assign(rows * ql, 0);
     L->q_buf_.assign(rows * nh * dk, 0);
   }
-  L->gin_.assign(rows * std::max(dn, R), 0);
-  L->gout_.assign(rows * std::max(R, dv), 0);
   L->qm_.assign(rows * nh * (R + P), 0);
   L->ol_.assign(rows * nh * R, 0);
   L->ao_.assign(rows * nh * dv, 0);
@@ -150,7 +148,7 @@ StatusOr<std::unique_ptr<Layer>> MlaAttention::Make(const LayerInit& in) {
 
 void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
   const int T = rows.T, H = c_.hidden, nthr = s.n_threads;
-  const int nh = nh_, R = R_, P = P_, dn = dn_, dv = dv_, dk = dk_, ql = ql_, W = R + P;
+  const int nh = nh_, R = R_, P = P_, dv = dv_, dk = dk_, ql = ql_, W = R + P, dn = dn_;
   const float eps = static_cast<float>(c_.rms_eps);
   ForwardProfile& pf = *s.profile;
   float* h = s.h;
@@ -193,14 +191,12 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   }
   s.timer->Mark(pf.rope_store);
 
-  // Absorb: q_lat = W_UKᵀ q_nope, one GEMM per head over the step's rows.
+  // Absorb: q_lat = W_UKᵀ q_nope, one GEMM per head over the step's rows (strided in and out), a head per
+  // thread.
+#pragma omp parallel for num_threads(nthr) schedule(dynamic, 1)
   for (int hh = 0; hh < nh; ++hh) {
-    for (int t = 0; t < T; ++t)
-      std::copy_n(q + t * q_stride + static_cast<size_t>(hh) * dk, dn, &gin_[static_cast<size_t>(t) * dn]);
-    s.Gemm(*k_b_[hh], gin_.data(), T, gout_.data());
-    for (int t = 0; t < T; ++t) {
-      std::copy_n(&gout_[static_cast<size_t>(t) * R], R, &qm_[(static_cast<size_t>(t) * nh + hh) * W]);
-    }
+    k_b_[hh].Compute(q + static_cast<size_t>(hh) * dk, static_cast<int>(q_stride), T, 0, k_b_[hh].panels(),
+                     &qm_[static_cast<size_t>(hh) * W], nh * W);
   }
   s.timer->Mark(pf.qkv);
 
@@ -218,14 +214,10 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
                  &ol_[static_cast<size_t>(t) * nh * R], h0, h1 - h0, scale_, scratch);
   }
   // Back out of latent space: o_h = W_UV o_lat per head.
+#pragma omp parallel for num_threads(nthr) schedule(dynamic, 1)
   for (int hh = 0; hh < nh; ++hh) {
-    for (int t = 0; t < T; ++t) {
-      std::copy_n(&ol_[(static_cast<size_t>(t) * nh + hh) * R], R, &gin_[static_cast<size_t>(t) * R]);
-    }
-    s.Gemm(*v_b_[hh], gin_.data(), T, gout_.data());
-    for (int t = 0; t < T; ++t) {
-      std::copy_n(&gout_[static_cast<size_t>(t) * dv], dv, &ao_[(static_cast<size_t>(t) * nh + hh) * dv]);
-    }
+    v_b_[hh].Compute(&ol_[static_cast<size_t>(hh) * R], nh * R, T, 0, v_b_[hh].panels(),
+                     &ao_[static_cast<size_t>(hh) * dv], nh * dv);
   }
   s.timer->Mark(pf.attention);
   s.Gemm(*o_, ao_.data(), T, s.tmp);

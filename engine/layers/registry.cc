@@ -6,6 +6,7 @@ namespace qkv {
 StatusOr<std::unique_ptr<Layer>> MakeGqaAttention(const LayerInit& in);  // gqa_attention.cc
 StatusOr<std::unique_ptr<Layer>> MakeDenseSwiGlu(const LayerInit& in);   // dense_swiglu.cc
 StatusOr<std::unique_ptr<Layer>> MakeMlaAttention(const LayerInit& in);  // mla_attention.cc
+StatusOr<std::unique_ptr<Layer>> MakeMoeSwiGlu(const LayerInit& in);     // moe_swiglu.cc
 
 // llama.cpp's LLAMA_ROPE_TYPE_NORM (interleaved) for llama and deepseek2, NEOX (halves) for qwen2/qwen3.
 RopeStyle RopeStyleOf(Arch a) {
@@ -17,6 +18,7 @@ constexpr LayerKind kKinds[] = {
     {"gqa_attention", &MakeGqaAttention, /*caches_tokens=*/true},
     {"dense_swiglu", &MakeDenseSwiGlu, /*caches_tokens=*/false},
     {"mla_attention", &MakeMlaAttention, /*caches_tokens=*/true},
+    {"moe_swiglu", &MakeMoeSwiGlu, /*caches_tokens=*/false},
 };
 }  // namespace
 
@@ -29,11 +31,12 @@ StatusOr<const LayerKind*> FindLayerKind(std::string_view name) {
   return Internal("no layer kind '" + std::string(name) + "'");
 }
 
-// llama, qwen2, qwen3: grouped-query attention then a dense SwiGLU FFN per block; deepseek2: MLA then a
-// dense SwiGLU FFN (its leading dense blocks; expert blocks are refused by ModelConfig::Validate).
+// llama, qwen2, qwen3: grouped-query attention then a dense SwiGLU FFN per block; qwen3moe: attention then a
+// mixture of experts; deepseek2: MLA then a dense SwiGLU FFN (its leading dense blocks; its expert blocks
+// are refused by ModelConfig::Validate until they are wired up).
 std::vector<std::string_view> ModelLayerKinds(const ModelConfig& c, int block) {
-  if (c.is_mla()) return {"mla_attention", "dense_swiglu"};
-  return {"gqa_attention", "dense_swiglu"};
+  const std::string_view ffn = c.is_moe_block(block) ? "moe_swiglu" : "dense_swiglu";
+  return {c.is_mla() ? "mla_attention" : "gqa_attention", ffn};
 }
 
 }  // namespace qkv

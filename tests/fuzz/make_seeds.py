@@ -32,6 +32,18 @@ def gguf_seeds():
                         "--dtype", dtype], check=True, stdout=subprocess.DEVNULL)
         with open(path, "rb") as f:
             out("fuzz_gguf", f"tiny_{arch}_{dtype}.gguf", f.read())
+    # MLA (deepseek2): its required keys, 3-D per-head tensors and rope scaling.
+    mla = dict(cfg, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+               rope_scaling={"type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 16})
+    mpath = os.path.join(tmp, "mla.json")
+    with open(mpath, "w") as f:
+        json.dump(mla, f)
+    path = os.path.join(tmp, "deepseek2.gguf")
+    subprocess.run([os.path.join(BIN, "qkv-model"), "random", "--config", mpath, "--out", path, "--arch", "deepseek2",
+                    "--dtype", "f32"], check=True, stdout=subprocess.DEVNULL)
+    with open(path, "rb") as f:
+        out("fuzz_gguf", "tiny_deepseek2_f32.gguf", f.read())
     # Quantized tensors: 32-value blocks on the tiny shape, and a K-quant mixture on 256-wide rows.
     paths = {}
     for width in (32, 256):

@@ -6,7 +6,8 @@ For each configuration below it writes a random model with `qkv-model random`, r
 compares with the reference computed in float64:
   * f32 weights + f32 KV: max |Δlogit| <= 1e-4;
   * bf16 weights + bf16 KV (the default): max |Δlogit| <= 1% of the largest |logit|, and the same
-    argmax at every position where the reference's top-two gap exceeds that tolerance.
+    argmax at every position where the reference's top-two gap exceeds that tolerance (for mixtures of
+    experts the argmax only: rounding can route a token to another expert where two scores are close).
   * f32 weights + int8 KV (--kv-dtype int8): the reference applies the same quantization to K and V
     (gguf_ref.int8_kv_round), and max |Δlogit| <= KV_I8_REL of the largest |logit| with the same argmax
     where the gap is clear; logits in chunks of 7 are identical to one prefill. The distance to the
@@ -51,6 +52,10 @@ BASE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "n
 
 MLA = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 24}
 
+DS_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1,
+          "first_k_dense_replace": 1}
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 32}
+
 CONFIGS = [
     ("mha", "llama", {"num_key_value_heads": 8}, "f32"),
     ("gqa4", "llama", {"num_key_value_heads": 2}, "f32"),
@@ -87,6 +92,17 @@ CONFIGS = [
                                                                 "original_max_position_embeddings": 32}), "f32"),
     ("mla_legacy_kv_b", "deepseek2", dict(MLA, legacy_kv_b=True), "f32"),
     ("mla_bf16_file", "deepseek2", dict(MLA, tie_word_embeddings=True), "bf16"),
+    # Mixture of experts (qwen3moe): 8 experts, top 2; 16 experts, top 4; a bf16 file.
+    ("moe", "qwen3moe", dict(MOE), "f32"),
+    ("moe_16x4", "qwen3moe", dict(MOE, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32), "f32"),
+    ("moe_bf16_file", "qwen3moe", dict(MOE), "bf16"),
+    # deepseek2 with routed and shared experts after a leading dense block: softmax gating; sigmoid gating
+    # with the selection bias, groups, normalization and scaling (DeepSeek-V3's routing).
+    ("moe_ds2_softmax", "deepseek2", dict(MLA, **DS_MOE), "f32"),
+    ("moe_ds3_sigmoid_groups", "deepseek2", dict(MLA, **DS_MOE, scoring_func="sigmoid", topk_method="noaux_tc",
+                                                 n_group=4, topk_group=2, norm_topk_prob=True,
+                                                 routed_scaling_factor=2.5, num_hidden_layers=3), "f32"),
+    ("moe_ds2_no_shared", "deepseek2", dict(MLA, **dict(DS_MOE, n_shared_experts=0, first_k_dense_replace=0)), "f32"),
 ]
 
 
@@ -96,6 +112,13 @@ def run_logits(bindir, model, tokens, wdt, kdt, chunk, out):
            "--max-batch-tokens", str(chunk)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return np.fromfile(out, dtype="<f4").reshape(len(tokens), -1).astype(np.float64)
+
+
+def argmax_agrees(ours, ref, rel):
+    """The same argmax at every position whose top-two reference gap exceeds rel × the logit scale."""
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > rel * float(np.abs(ref).max())
+    return bool((ours.argmax(1) == ref.argmax(1))[clear].all())
 
 
 def relative_check(ours, ref, rel):
@@ -144,7 +167,13 @@ def main():
             ref_bf = Reference(mpath, round_weights_bf16=True).logits(tokens).numpy()
             ours = run_logits(args.bindir, mpath, tokens, "bf16", "bf16", 512, lpath)
             d, scale, good, text = relative_check(ours, ref_bf, BF16_REL)
-            worst_bf16 = max(worst_bf16, d / scale)
+            if name.startswith("moe"):
+                # bf16 rounding can move a token to another expert where two router scores are close, which
+                # moves its logits by far more than rounding does: bounded by the argmax agreement only.
+                good = argmax_agrees(ours, ref_bf, BF16_REL)
+                text += " (MoE: deviation not bounded)"
+            else:
+                worst_bf16 = max(worst_bf16, d / scale)
             msgs.append("bf16 " + text)
             ok &= good
             ref_i8 = Reference(mpath, kv_int8=True).logits(tokens).numpy()

@@ -132,8 +132,11 @@ class Reference:
             self.dv_mla = g.kv.get(p + "attention.value_length_mla", g.kv[p + "attention.value_length"])
 
         def T(name):
+            # With bf16 weights every matrix (2-D, or 3-D stacked per head or expert) is rounded, except the
+            # MoE router, which qkvserve keeps in f32 (its top-k decides which experts run).
             t = torch.from_numpy(g.tensor(name))
-            return bf16_round(t) if round_weights_bf16 and t.dim() == 2 else t
+            rounded = round_weights_bf16 and t.dim() >= 2 and not name.endswith("ffn_gate_inp.weight")
+            return bf16_round(t) if rounded else t
 
         self.T = T
         self.emb = T("token_embd.weight")
@@ -243,9 +246,57 @@ class Reference:
     def ffn(self, x, p):
         T = self.T
         h = self.rms(x, T(p + "ffn_norm.weight"))
+        if self.g.has(p + "ffn_gate_inp.weight"):
+            return x + self.moe(h, p)
         g_ = h @ T(p + "ffn_gate.weight").T
         u = h @ T(p + "ffn_up.weight").T
         return x + (torch.nn.functional.silu(g_) * u) @ T(p + "ffn_down.weight").T
+
+    def moe(self, h, p):
+        """Mixture of experts, a plain loop over each token's chosen experts (llama.cpp's build_moe_ffn
+        semantics): softmax (or sigmoid) router probabilities; selection by probability plus the optional
+        exp_probs_b bias, limited to the topk_group groups with the largest sum of their two best scores;
+        top-k (ties: the lower index); weights from the unbiased probabilities, normalized to sum 1 where
+        llama.cpp does (always for qwen3moe, per expert_weights_norm for deepseek2) and scaled; plus the
+        shared experts (deepseek2) as one dense SwiGLU."""
+        T = self.T
+        a = self.arch + "."
+        k = self.g.kv[a + "expert_used_count"]
+        sigmoid = self.g.kv.get(a + "expert_gating_func", 1) == 2
+        norm = self.arch == "qwen3moe" or bool(self.g.kv.get(a + "expert_weights_norm", False))
+        scale = self.g.kv.get(a + "expert_weights_scale", 0.0)
+        n_groups = self.g.kv.get(a + "expert_group_count", 0)
+        n_used_groups = self.g.kv.get(a + "expert_group_used_count", 0)
+        wr = T(p + "ffn_gate_inp.weight")
+        bias = T(p + "exp_probs_b.bias") if self.g.has(p + "exp_probs_b.bias") else None
+        gate, up, down = T(p + "ffn_gate_exps.weight"), T(p + "ffn_up_exps.weight"), T(p + "ffn_down_exps.weight")
+        n_exp = wr.shape[0]
+        out = torch.zeros_like(h)
+        for t in range(h.shape[0]):
+            logits = wr @ h[t]
+            prob = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+            sel = prob + bias if bias is not None else prob.clone()
+            if n_groups > 1:
+                per = n_exp // n_groups
+                gs = [sum(sorted(sel[g * per:(g + 1) * per].tolist(), reverse=True)[:2]) for g in range(n_groups)]
+                keep = sorted(range(n_groups), key=lambda g: (-gs[g], g))[:n_used_groups]
+                for g in range(n_groups):
+                    if g not in keep:
+                        sel[g * per:(g + 1) * per] = float("-inf")
+            order = sorted(range(n_exp), key=lambda e: (-float(sel[e]), e))[:k]
+            w = prob[order]
+            if norm:
+                w = w / max(float(w.sum()), 6.103515625e-5)
+            if scale not in (0.0, 1.0):
+                w = w * scale
+            for wi, e in zip(w, order):
+                y = (torch.nn.functional.silu(gate[e] @ h[t]) * (up[e] @ h[t])) @ down[e].T
+                out[t] += wi * y
+        if self.g.has(p + "ffn_gate_shexp.weight"):
+            g_ = h @ T(p + "ffn_gate_shexp.weight").T
+            u = h @ T(p + "ffn_up_shexp.weight").T
+            out = out + (torch.nn.functional.silu(g_) * u) @ T(p + "ffn_down_shexp.weight").T
+        return out
 
     def mla(self, h, p, pos, mask):
         """DeepSeek-V2 multi-head latent attention in its plain (non-absorbed) form: K and V of every head

@@ -1,0 +1,264 @@
+// A mixture-of-experts SwiGLU FFN (qwen3moe; deepseek2's routed layers), as llama.cpp's build_moe_ffn:
+//   h = RMSNorm(x) → logits = h·W_routerᵀ → p = softmax(logits) (or sigmoid) → s = p (+ selection bias)
+//   → (group-limited routing: keep the n_group_used groups with the largest sum of their top-2 s)
+//   → the top-k experts by s (ties: the lower expert index, as llama.cpp's CPU argsort for up to 16
+//     experts) → w_k = p[e_k], divided by max(Σ w, 6.1035e-5) if normalized, × scale if scaled
+//   → x += Σ_k w_k · expert_{e_k}(h) (+ shared experts' dense SwiGLU on h).
+// Per step the tokens are grouped by expert and each expert with tokens runs as one GEMM over them
+// (gate+up fused, then down); experts nobody chose cost nothing. A token's experts are added in increasing
+// expert index, and GEMM rows are independent of M, so a token's output has the same bits whatever else is
+// in the batch.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "engine/layers/layer.h"
+
+namespace qkv {
+namespace {
+
+class MoeSwiGlu final : public Layer {
+ public:
+  std::string_view kind() const override { return "moe_swiglu"; }
+  size_t weight_bytes() const override {
+    size_t n = router_->weight_bytes() + 4 * (norm_.size() + bias_.size());
+    for (const auto& e : gate_up_) n += e->weight_bytes();
+    for (const auto& e : down_) n += e->weight_bytes();
+    if (sh_gate_up_) n += sh_gate_up_->weight_bytes() + sh_down_->weight_bytes();
+    return n;
+  }
+  // A token reads the router, n_used experts (the average expert's bytes) and the shared experts.
+  size_t weight_bytes_per_token() const override {
+    size_t experts = 0;
+    for (size_t e = 0; e < gate_up_.size(); ++e) experts += gate_up_[e]->weight_bytes() + down_[e]->weight_bytes();
+    size_t n = router_->weight_bytes() + experts / gate_up_.size() * static_cast<size_t>(m_.n_used);
+    if (sh_gate_up_) n += sh_gate_up_->weight_bytes() + sh_down_->weight_bytes();
+    return n;
+  }
+  void ForEachLinear(const std::function<void(const Linear&)>& f) const override {
+    f(*router_);
+    for (size_t e = 0; e < gate_up_.size(); ++e) {
+      f(*gate_up_[e]);
+      f(*down_[e]);
+    }
+    if (sh_gate_up_) {
+      f(*sh_gate_up_);
+      f(*sh_down_);
+    }
+  }
+  size_t scratch_bytes() const override {
+    return sizeof(float) * (logits_.size() + weights_.size() + xin_.size() + gu_.size() + act_.size() + y_.size() +
+                            acc_.size() + route_.size()) +
+           sizeof(int) * (chosen_.size() + rows_of_.size() + route_idx_.size());
+  }
+
+  static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
+  void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+
+ private:
+  // One token's routing: chosen experts (top-k, in the order of selection) and their weights. prob, sel:
+  // E floats and idx E ints of scratch.
+  void Route(const float* logits, int* chosen, float* weights, float* prob, float* sel, int* idx) const;
+
+  MoeConfig m_;
+  int hidden_ = 0;
+  float eps_ = 0;
+  std::vector<float> norm_, bias_;
+  std::unique_ptr<Linear> router_;
+  std::vector<std::unique_ptr<Linear>> gate_up_, down_;  // per expert: [2 × expert_ffn, H] and [H, expert_ffn]
+  std::unique_ptr<Linear> sh_gate_up_, sh_down_;         // shared experts, or null
+  // Scratch for max_rows rows, sized at load.
+  std::vector<float> logits_, weights_, xin_, gu_, act_, y_, acc_, route_;
+  std::vector<int> chosen_, rows_of_, route_idx_;
+  int idx_stride_ = 0;
+};
+
+StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
+  const ModelConfig& c = in.config;
+  auto L = std::make_unique<MoeSwiGlu>();
+  L->m_ = c.moe;
+  L->hidden_ = c.hidden;
+  L->eps_ = static_cast<float>(c.rms_eps);
+  const MoeConfig& m = c.moe;
+  const int E = m.n_experts, F = m.expert_ffn, H = c.hidden;
+  const auto U = [](int v) { return static_cast<uint64_t>(v); };
+  const std::string p = "blk." + std::to_string(in.block) + ".";
+  QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, p + "ffn_norm.weight", {U(H)}));
+  if (m.selection_bias) {
+    QKV_ASSIGN_OR_RETURN(L->bias_, ReadTensor(in.file, p + "exp_probs_b.bias", {U(E)}));
+  }
+  auto mk = [&](const std::vector<WeightRows>& r, int k) {
+    return MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized, r, k, nullptr);
+  };
+  // The router in f32 (as llama.cpp's logits): its top-k decides which experts run.
+  QKV_ASSIGN_OR_RETURN(L->router_, MakeLinear(in.file, in.gemm, DType::kF32, in.keep_quantized,
+                                              {{p + "ffn_gate_inp.weight", U(E), 0, E}}, H, nullptr));
+  const std::string tg = p + "ffn_gate_exps.weight", tu = p + "ffn_up_exps.weight", td = p + "ffn_down_exps.weight";
+  const GgufTensor* gt = in.file.FindTensor(tg);
+  const GgufTensor* ut = in.file.FindTensor(tu);
+  const GgufTensor* dt = in.file.FindTensor(td);
+  const bool quant = in.keep_quantized && gt && ut && dt && GgmlIsQuantized(gt->type) && GgmlIsQuantized(ut->type) &&
+                     GgmlIsQuantized(dt->type) && H % 32 == 0 && F % 32 == 0;
+  if (quant) {  // slices of the stacked tensors, kept in their block formats
+    for (int e = 0; e < E; ++e) {
+      QKV_ASSIGN_OR_RETURN(auto gu, mk({{tg, U(F * E), e * F, F, U(E)}, {tu, U(F * E), e * F, F, U(E)}}, H));
+      QKV_ASSIGN_OR_RETURN(auto dn, mk({{td, U(H * E), e * H, H, U(E)}}, F));
+      L->gate_up_.push_back(std::move(gu));
+      L->down_.push_back(std::move(dn));
+    }
+  } else {  // each stacked tensor read once, then one GEMM per expert
+    QKV_ASSIGN_OR_RETURN(std::vector<float> g, ReadTensor(in.file, tg, {U(H), U(F), U(E)}));
+    QKV_ASSIGN_OR_RETURN(std::vector<float> u, ReadTensor(in.file, tu, {U(H), U(F), U(E)}));
+    QKV_ASSIGN_OR_RETURN(std::vector<float> d, ReadTensor(in.file, td, {U(F), U(H), U(E)}));
+    std::vector<float> w(2 * static_cast<size_t>(F) * H);
+    for (int e = 0; e < E; ++e) {
+      const size_t off = static_cast<size_t>(e) * F * H;
+      std::copy_n(&g[off], static_cast<size_t>(F) * H, w.begin());
+      std::copy_n(&u[off], static_cast<size_t>(F) * H, w.begin() + static_cast<ptrdiff_t>(F) * H);
+      QKV_ASSIGN_OR_RETURN(auto gu, Linear::Create(in.gemm, w.data(), nullptr, 2 * F, H, in.weights_dtype));
+      QKV_ASSIGN_OR_RETURN(auto dn, Linear::Create(in.gemm, &d[off], nullptr, H, F, in.weights_dtype));
+      L->gate_up_.push_back(std::move(gu));
+      L->down_.push_back(std::move(dn));
+    }
+  }
+  if (m.n_shared > 0) {
+    const int SF = m.n_shared * F;
+    QKV_ASSIGN_OR_RETURN(
+        L->sh_gate_up_,
+        mk({{p + "ffn_gate_shexp.weight", U(SF), 0, SF}, {p + "ffn_up_shexp.weight", U(SF), 0, SF}}, H));
+    QKV_ASSIGN_OR_RETURN(L->sh_down_, mk({{p + "ffn_down_shexp.weight", U(H), 0, H}}, SF));
+  }
+  // An expert's GEMMs run over at most max_rows tokens (a token picks an expert at most once); the shared
+  // experts over all of them.
+  const auto rows = static_cast<size_t>(std::max(in.max_rows, 1));
+  const int widest = std::max(F, m.n_shared * F);
+  L->logits_.assign(rows * E, 0);
+  L->weights_.assign(rows * m.n_used, 0);
+  L->chosen_.assign(rows * m.n_used, 0);
+  L->rows_of_.assign(rows, 0);
+  L->route_.assign(rows * 2 * E, 0);
+  L->idx_stride_ = std::max(E, m.n_groups);
+  L->route_idx_.assign(rows * L->idx_stride_, 0);
+  L->xin_.assign(rows * H, 0);
+  L->gu_.assign(rows * 2 * widest, 0);
+  L->act_.assign(rows * widest, 0);
+  L->y_.assign(rows * H, 0);
+  L->acc_.assign(rows * H, 0);
+  return std::unique_ptr<Layer>(std::move(L));
+}
+
+void MoeSwiGlu::Route(const float* logits, int* chosen, float* weights, float* prob, float* sel, int* idx) const {
+  const int E = m_.n_experts, K = m_.n_used;
+  if (m_.gating == ExpertGating::kSoftmax) {
+    float mx = -INFINITY;
+    for (int e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
+    float sum = 0;
+    for (int e = 0; e < E; ++e) sum += (prob[e] = FastExp(logits[e] - mx));
+    const float inv = 1.0f / sum;
+    for (int e = 0; e < E; ++e) prob[e] *= inv;
+  } else {
+    for (int e = 0; e < E; ++e) prob[e] = 1.0f / (1.0f + FastExp(-logits[e]));
+  }
+  // A NaN score sorts last (the comparator below must be a strict weak order).
+  for (int e = 0; e < E; ++e) {
+    sel[e] = prob[e] + (bias_.empty() ? 0.0f : bias_[e]);
+    if (std::isnan(sel[e])) sel[e] = -INFINITY;
+  }
+  // Descending by score, ties to the lower index.
+  auto by = [](const float* v) { return [v](int a, int b) { return v[a] > v[b] || (v[a] == v[b] && a < b); }; };
+  if (m_.n_groups > 1) {  // keep the n_group_used groups whose top-2 scores sum highest
+    const int G = m_.n_groups, per = E / G;
+    float gscore[256];
+    for (int g = 0; g < G; ++g) {
+      std::iota(idx, idx + per, g * per);
+      std::partial_sort(idx, idx + std::min(2, per), idx + per, by(sel));
+      gscore[g] = sel[idx[0]] + (per > 1 ? sel[idx[1]] : 0.0f);
+    }
+    std::iota(idx, idx + G, 0);
+    std::partial_sort(idx, idx + m_.n_group_used, idx + G, by(gscore));
+    bool keep[256] = {};
+    for (int i = 0; i < m_.n_group_used; ++i) keep[idx[i]] = true;
+    for (int e = 0; e < E; ++e)
+      if (!keep[e / per]) sel[e] = -INFINITY;
+  }
+  std::iota(idx, idx + E, 0);
+  std::partial_sort(idx, idx + K, idx + E, by(sel));
+  float sum = 0;
+  for (int k = 0; k < K; ++k) {
+    chosen[k] = idx[k];
+    weights[k] = prob[idx[k]];
+    sum += weights[k];
+  }
+  if (m_.norm_weights) {
+    const float d = std::max(sum, 6.103515625e-5f);
+    for (int k = 0; k < K; ++k) weights[k] /= d;
+  }
+  if (m_.weights_scale != 0.0 && m_.weights_scale != 1.0) {
+    for (int k = 0; k < K; ++k) weights[k] *= static_cast<float>(m_.weights_scale);
+  }
+}
+
+void MoeSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
+  const int T = rows.T, H = hidden_, E = m_.n_experts, K = m_.n_used, F = m_.expert_ffn, nthr = s.n_threads;
+  ForwardProfile& pf = *s.profile;
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t)
+    RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &s.h[static_cast<size_t>(t) * H], H, eps_);
+  s.timer->Mark(pf.norms);
+  s.Gemm(*router_, s.h, T, logits_.data());
+#pragma omp parallel for num_threads(nthr) if (T > 1)
+  for (int t = 0; t < T; ++t) {
+    float* r = &route_[static_cast<size_t>(t) * 2 * E];
+    Route(&logits_[static_cast<size_t>(t) * E], &chosen_[static_cast<size_t>(t) * K],
+          &weights_[static_cast<size_t>(t) * K], r, r + E, &route_idx_[static_cast<size_t>(t) * idx_stride_]);
+  }
+  std::fill_n(acc_.begin(), static_cast<size_t>(T) * H, 0.0f);
+  // Each expert over the tokens that chose it, in increasing expert index.
+  for (int e = 0; e < E; ++e) {
+    int n = 0;
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        if (chosen_[static_cast<size_t>(t) * K + k] == e) {
+          rows_of_[n] = t * K + k;
+          std::copy_n(&s.h[static_cast<size_t>(t) * H], H, &xin_[static_cast<size_t>(n) * H]);
+          ++n;
+        }
+      }
+    }
+    if (n == 0) continue;
+    s.Gemm(*gate_up_[e], xin_.data(), n, gu_.data());
+    for (int i = 0; i < n; ++i) {
+      const float* g = &gu_[static_cast<size_t>(i) * 2 * F];
+      SiluMul(g, g + F, &act_[static_cast<size_t>(i) * F], F);
+    }
+    s.Gemm(*down_[e], act_.data(), n, y_.data());
+    for (int i = 0; i < n; ++i) {
+      const int t = rows_of_[i] / K;
+      const float w = weights_[rows_of_[i]];
+      float* a = &acc_[static_cast<size_t>(t) * H];
+      const float* y = &y_[static_cast<size_t>(i) * H];
+      for (int d = 0; d < H; ++d) a[d] = std::fma(w, y[d], a[d]);
+    }
+  }
+  s.timer->Mark(pf.ffn_up);
+  if (sh_gate_up_) {  // the shared experts: one dense SwiGLU on every token
+    const int SF = m_.n_shared * F;
+    s.Gemm(*sh_gate_up_, s.h, T, gu_.data());
+    for (int t = 0; t < T; ++t) {
+      const float* g = &gu_[static_cast<size_t>(t) * 2 * SF];
+      SiluMul(g, g + SF, &act_[static_cast<size_t>(t) * SF], SF);
+    }
+    s.Gemm(*sh_down_, act_.data(), T, y_.data());
+    AddInPlace(acc_.data(), y_.data(), T * H);
+  }
+  AddInPlace(x, acc_.data(), T * H);
+  s.timer->Mark(pf.ffn_down);
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Layer>> MakeMoeSwiGlu(const LayerInit& in) { return MoeSwiGlu::Make(in); }
+
+}  // namespace qkv
