@@ -874,6 +874,7 @@ void Engine::PublishStats() {
   s.blocks_free = pool.free_blocks();
   s.block_size = B;
   s.kv_bytes_per_token = scheduler_.cache().layout().tokens.bytes_per_token();
+  s.expert_tokens = model_.ExpertTokens();
   s.tokens_capacity = s.blocks_total * B;
   // Token slots holding K/V: per used block, the most positions any owner has filled in it.
   std::vector<int>& filled = stats_filled_;

@@ -107,6 +107,8 @@ struct EngineStats {
   std::map<std::pair<std::string, std::string>, uint64_t> finished_by_front;
   uint64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   uint64_t steps = 0;
+  // Mixture of experts: per MoE block, tokens routed to each expert since start (routing skew).
+  std::vector<std::pair<int, std::vector<uint64_t>>> expert_tokens;
   Histogram ttft{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram itl{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1}};
   Histogram e2e{{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120}};

@@ -234,6 +234,15 @@ size_t Model::scratch_bytes() const {
   return n + rt_->scratch_bytes();
 }
 
+std::vector<std::pair<int, std::vector<uint64_t>>> Model::ExpertTokens() const {
+  std::vector<std::pair<int, std::vector<uint64_t>>> out;
+  const size_t per_block = cfg_.n_layers > 0 ? layers_.size() / static_cast<size_t>(cfg_.n_layers) : 1;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (const auto* t = layers_[i]->expert_tokens()) out.emplace_back(static_cast<int>(i / per_block), *t);
+  }
+  return out;
+}
+
 CacheSpec Model::cache_spec() const {
   CacheSpec total;
   for (const auto& l : layers_) {

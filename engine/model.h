@@ -86,6 +86,8 @@ class Model {
   const std::vector<std::unique_ptr<Layer>>& layers() const { return layers_; }
   // What the layers cache, summed: paged bytes per token (the KV arena's figure) and per-sequence state.
   CacheSpec cache_spec() const;
+  // Per mixture-of-experts block: its index and the tokens routed to each of its experts since load.
+  std::vector<std::pair<int, std::vector<uint64_t>>> ExpertTokens() const;
   void set_profiling(bool on) {
     profiling_ = on;
     profile_ = {};

@@ -129,6 +129,18 @@ class EngineCollectable final : public prometheus::Collectable {
     counter("qkvserve_cached_prompt_tokens_total", "prompt tokens reused without recompute",
             {{"", d(s.cached_prompt_tokens)}});
     counter("qkvserve_generated_tokens_total", "generated tokens", {{"", d(s.generated_tokens)}});
+    if (!s.expert_tokens.empty()) {  // mixture of experts: how the router spreads tokens (skew shows here)
+      MetricFamily f = Family("qkvserve_moe_expert_tokens_total",
+                              "tokens routed to each expert of each mixture-of-experts layer (one per token and "
+                              "chosen expert; prefill, decode and recompute alike)",
+                              MetricType::Counter);
+      for (const auto& [layer, counts] : s.expert_tokens) {
+        for (size_t e = 0; e < counts.size(); ++e) {
+          Add(f, d(counts[e]), {{"layer", std::to_string(layer)}, {"expert", std::to_string(e)}});
+        }
+      }
+      out.push_back(std::move(f));
+    }
     AddHistogram(out, "qkvserve_time_to_first_token_seconds", "submit to first token", s.ttft);
     AddHistogram(out, "qkvserve_inter_token_latency_seconds", "time between tokens of a request", s.itl);
     AddHistogram(out, "qkvserve_request_duration_seconds", "submit to end", s.e2e);

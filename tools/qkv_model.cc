@@ -1,5 +1,6 @@
 // qkv-model: make and inspect model files.
-//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3|deepseek2] [--dtype TYPE|PRESET]
+//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3|qwen3moe|deepseek2] [--dtype
+//   TYPE|PRESET]
 //   [--seed N] qkv-model quantize IN.gguf OUT.gguf --type PRESET [--threads N] [--quiet] qkv-model info MODEL.gguf
 //   qkv-model dequant MODEL.gguf --tensor NAME --out FILE
 //   qkv-model tokenize (--model MODEL.gguf | --tokenizer tokenizer.json) [--decode] [--parse-special] [--add-special]
@@ -245,7 +246,10 @@ int main(int argc, char** argv) {
                    "Hugging Face config.json (plus attention_bias, attn_output_gate, attention_sinks, qk_norm)")
       ->required();
   random->add_option("--out", out, "output GGUF path")->required();
-  random->add_option("--arch", arch, "architecture: llama, qwen2, qwen3 or deepseek2 (MLA; DeepSeek-V2 config names)")
+  random
+      ->add_option(
+          "--arch", arch,
+          "architecture: llama, qwen2, qwen3, qwen3moe or deepseek2 (MLA and experts; DeepSeek-V2/V3 config names)")
       ->capture_default_str();
   random
       ->add_option("--dtype", dtype,

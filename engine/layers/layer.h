@@ -102,6 +102,9 @@ class Layer {
   virtual size_t scratch_floats_per_thread(int n_ctx, int block_size) const { return 0; }
   // Bytes of scratch the layer holds itself (sized at load from LayerInit::max_rows).
   virtual size_t scratch_bytes() const { return 0; }
+  // A mixture of experts: tokens routed to each expert since load (one count per token and chosen
+  // expert), or nullptr. Read on the engine thread.
+  virtual const std::vector<uint64_t>* expert_tokens() const { return nullptr; }
   // Calls f on each GEMM the layer owns (for reports).
   virtual void ForEachLinear(const std::function<void(const Linear&)>& f) const = 0;
 };

@@ -54,6 +54,8 @@ class MoeSwiGlu final : public Layer {
            sizeof(int) * (chosen_.size() + rows_of_.size() + route_idx_.size());
   }
 
+  const std::vector<uint64_t>* expert_tokens() const override { return &routed_; }
+
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
 
@@ -73,6 +75,7 @@ class MoeSwiGlu final : public Layer {
   std::vector<float> logits_, weights_, xin_, gu_, act_, y_, acc_, route_;
   std::vector<int> chosen_, rows_of_, route_idx_;
   int idx_stride_ = 0;
+  std::vector<uint64_t> routed_;  // tokens routed to each expert
 };
 
 StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
@@ -146,6 +149,7 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
   L->act_.assign(rows * widest, 0);
   L->y_.assign(rows * H, 0);
   L->acc_.assign(rows * H, 0);
+  L->routed_.assign(static_cast<size_t>(E), 0);
   return std::unique_ptr<Layer>(std::move(L));
 }
 
@@ -228,6 +232,7 @@ void MoeSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
       }
     }
     if (n == 0) continue;
+    routed_[e] += static_cast<uint64_t>(n);
     s.Gemm(*gate_up_[e], xin_.data(), n, gu_.data());
     for (int i = 0; i < n; ++i) {
       const float* g = &gu_[static_cast<size_t>(i) * 2 * F];

@@ -35,6 +35,8 @@ TMP = tempfile.mkdtemp(prefix="qkvint")
 # Hugging Face DeepSeek-V2 names for a small MLA model (make_model(arch="deepseek2")): a latent of 32 and a
 # rope key of 16 per token and layer, a low-rank query path.
 MLA = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
+# and for a small mixture of experts (make_model(arch="qwen3moe")): 8 experts of 32, 2 per token.
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3, chat_stop=(), extra=None):
@@ -42,7 +44,7 @@ def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3, chat_stop
     if not os.path.exists(path):
         cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "intermediate_size": 128, "vocab_size": vocab, "max_position_embeddings": ctx,
-               **(MLA if arch == "deepseek2" else {}), **(extra or {})}
+               **(MLA if arch == "deepseek2" else {}), **(MOE if arch == "qwen3moe" else {}), **(extra or {})}
         cpath = os.path.join(TMP, name + ".json")
         with open(cpath, "w") as f:
             json.dump(cfg, f)

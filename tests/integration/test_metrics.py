@@ -15,7 +15,7 @@ import urllib.request
 
 import grpc
 
-from harness import BIN, MLA, ROOT, TMP, Server, greedy, make_model, pb
+from harness import BIN, MLA, MOE, ROOT, TMP, Server, greedy, make_model, pb
 
 B = 16  # block size
 
@@ -203,6 +203,42 @@ class MlaTest(unittest.TestCase):
                     self.assertTrue(s.wait_used_blocks(0), "blocks still used after the sessions closed")
                 finally:
                     s.stop()
+
+
+class MoeTest(unittest.TestCase):
+    """A mixture of experts (qwen3moe): GetModelInfo reports experts and active parameters, the expert-load
+    counter adds up to experts-per-token × tokens run in every layer, and sessions give what fresh requests
+    give."""
+
+    def test_expert_load_and_sessions(self):
+        s = Server("--no-prefix-caching", "--block-size", str(B), model=make_model("moe", arch="qwen3moe", seed=4))
+        try:
+            st = s.stub
+            info = st.GetModelInfo(pb.GetModelInfoRequest())
+            self.assertEqual((info.architecture, info.num_experts, info.experts_per_token),
+                             ("qwen3moe", MOE["num_experts"], MOE["num_experts_per_tok"]))
+            self.assertLess(info.active_parameters, info.num_parameters)
+            self.assertGreater(info.weight_bytes_per_token, 0)
+            n_prompt, n_gen = 40, 6
+            st.Complete(greedy(token_ids=pb.TokenIds(ids=list(range(3, 3 + n_prompt))), max_tokens=n_gen,
+                               ignore_eos=True))
+            key = 'qkvserve_moe_expert_tokens_total{{layer="{l}",expert="{e}"}}'
+            deadline = time.time() + 10
+            while True:
+                m = s.metrics()
+                # Every token fed to the model: the prompts (with BOS) and each generated token but the last.
+                finished = sum(v for k, v in m.items() if k.startswith("qkvserve_requests_finished_total"))
+                fed = m["qkvserve_prompt_tokens_total"] + m["qkvserve_generated_tokens_total"] - finished
+                want = MOE["num_experts_per_tok"] * fed
+                per_layer = [sum(m.get(key.format(e=e, l=l), 0) for e in range(MOE["num_experts"]))
+                             for l in range(info.num_layers)]
+                if (fed >= n_prompt + n_gen - 1 and per_layer == [want] * info.num_layers) or time.time() > deadline:
+                    break
+                time.sleep(0.1)
+            self.assertEqual(per_layer, [want] * info.num_layers, m)
+            check_sessions(self, st, "x")
+        finally:
+            s.stop()
 
 
 PROM = shutil.which("prometheus")

@@ -67,6 +67,13 @@ class SameBitsTest(unittest.TestCase):
         chunked = self.check("--max-num-batched-tokens", "16", model=q)
         self.assertEqual(chunked, whole, "prompt chunking changed the bits on quantized weights")
 
+    def test_moe(self):
+        """The same on a mixture of experts (qwen3moe): the grouping of tokens by expert changes no bit."""
+        moe = make_model("samebits_moe", arch="qwen3moe", vocab=512, ctx=256, seed=11)
+        whole = self.check(model=moe)
+        chunked = self.check("--max-num-batched-tokens", "16", model=moe)
+        self.assertEqual(chunked, whole, "prompt chunking changed the bits on MoE")
+
     def test_mla(self):
         """The same on an MLA model (deepseek2: a latent cache, absorbed attention), bf16 and int8 KV."""
         mla = make_model("samebits_mla", arch="deepseek2", vocab=512, ctx=256, seed=11)
