@@ -1,8 +1,9 @@
 #include "engine/layers/layer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <map>
-#include <set>
 
 #include "engine/bf16.h"
 
@@ -25,11 +26,12 @@ StatusOr<const GgufTensor*> FindShaped(const GgufFile& f, const std::string& nam
   return t;
 }
 
-// Every value of a quantized 2-D tensor of rows of k values is finite (checked row by row, in place).
-Status CheckQuantizedFinite(const GgufTensor& t, uint64_t k) {
+// Every value of rows [r0, r1) (all of them by default) of a quantized tensor of rows of k values is
+// finite (checked row by row, in place).
+Status CheckQuantizedFinite(const GgufTensor& t, uint64_t k, uint64_t r0 = 0, uint64_t r1 = UINT64_MAX) {
   std::vector<float> row(k);
   const uint64_t rb = GgmlRowBytes(t.type, k);
-  for (uint64_t r = 0; r < t.n_elements() / k; ++r) {
+  for (uint64_t r = r0; r < std::min(r1, t.n_elements() / k); ++r) {
     DequantizeRow(t.type, t.data + r * rb, static_cast<int64_t>(k), row.data());
     for (float v : row) {
       if (!std::isfinite(v)) return DataLoss("model: tensor '" + t.name + "' holds a non-finite value");
@@ -73,11 +75,12 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
     n += r.n;
   }
   if (quant) {
-    std::set<const GgufTensor*> checked;
     std::vector<QuantWeights::Part> parts;
     for (size_t i = 0; i < rows.size(); ++i) {
       const GgufTensor* t = tensors[i];
-      if (checked.insert(t).second) QKV_RETURN_IF_ERROR(CheckQuantizedFinite(*t, K));
+      // Only the rows this GEMM takes (one expert's slice of a stacked tensor is checked once, not E times).
+      const auto r0 = static_cast<uint64_t>(rows[i].r0);
+      QKV_RETURN_IF_ERROR(CheckQuantizedFinite(*t, K, r0, r0 + static_cast<uint64_t>(rows[i].n)));
       parts.push_back({t->type, rows[i].n, t->data + static_cast<uint64_t>(rows[i].r0) * GgmlRowBytes(t->type, K)});
     }
     return Linear::CreateQuantized(gemm, std::make_shared<const QuantWeights>(parts, k, bias));
