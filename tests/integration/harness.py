@@ -137,10 +137,10 @@ class Server:
     def used_blocks(self):
         return self.metrics()['qkvserve_kv_cache_blocks{state="used"}']
 
-    def wait_used_blocks(self, n, timeout=10):
+    def wait_used_blocks(self, n, timeout=30):
         return self.wait_metric('qkvserve_kv_cache_blocks{state="used"}', n, timeout)
 
-    def wait_metric(self, name, value, timeout=10):
+    def wait_metric(self, name, value, timeout=30):
         """True once the scraped NAME equals VALUE (the engine publishes its figures at the end of a step, so
         a reply can reach the client just before the counters that count it reach /metrics)."""
         deadline = time.time() + timeout
