@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "engine/bf16.h"
 #include "engine/kernels/cpu.h"
 
 namespace qkv {
@@ -41,6 +42,9 @@ auto SingleThreaded(F&& f) {
 
 // Smallest buckets a layer may be restricted to (see Linear::Create); PaddedRows covers the largest.
 constexpr int kMinBuckets[] = {1, 16, 32};
+// Largest buckets (the tile M runs in) a layer may be restricted to. A smaller tile never reads past
+// PaddedRows(m): rows past the last whole tile are at most what a 128-row tile would read.
+constexpr int kMaxBuckets[] = {kTileRows, 64, 32};
 
 int PaddedRows(int m) {
   const int full = m / kTileRows * kTileRows;
@@ -169,24 +173,30 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   const std::string shape = std::to_string(n) + "x" + std::to_string(k) + " " + DTypeName(dt);
   if (forced == GemmBackend::kOneDnn) {
     // Forced: oneDNN for every bucket even where its kernels differ (to measure it, or to show the tests fail).
-    Status st = lin->CreateOneDnn(w, bias, 1, /*same_kernel=*/false);
+    Status st = lin->CreateOneDnn(w, bias, 1, kTileRows, /*same_kernel=*/false);
     if (!st.ok()) return Internal("linear " + shape + ": QKV_GEMM=onednn: " + st.message());
     rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() + " (forced)", dt);
     return lin;
   }
   if (!forced) {
     std::string why;
-    for (int min_bucket : kMinBuckets) {
-      Status st = lin->CreateOneDnn(w, bias, min_bucket, /*same_kernel=*/true);
-      if (st.ok()) {
-        rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() +
-                         (min_bucket > 1 ? " (M >= " + std::to_string(min_bucket) + ")" : ""),
-                     dt);
-        return lin;
+    bool no_kernel = false;
+    // Largest tiles first (prefill speed), then the smallest padding (decode work).
+    for (int max_bucket : kMaxBuckets) {
+      for (int min_bucket : kMinBuckets) {
+        if (min_bucket > max_bucket || no_kernel) continue;
+        Status st = lin->CreateOneDnn(w, bias, min_bucket, max_bucket, /*same_kernel=*/true);
+        if (st.ok()) {
+          std::string note = std::string("onednn ") + lin->slices_[0].buckets[lin->last_bucket_].p->pd.impl_info_str();
+          if (min_bucket > 1) note += " (M >= " + std::to_string(min_bucket) + ")";
+          if (max_bucket < kTileRows) note += " (tiles of " + std::to_string(max_bucket) + ")";
+          rt.NoteLayer(note, dt);
+          return lin;
+        }
+        why = st.message();
+        lin->slices_.clear();
+        no_kernel = st.code() != StatusCode::kFailedPrecondition;  // no kernel at all: padding will not help
       }
-      why = st.message();
-      lin->slices_.clear();
-      if (st.code() != StatusCode::kFailedPrecondition) break;  // no kernel at all: padding will not help
     }
     spdlog::debug("linear {}: packed GEMM ({})", shape, why);
   }
@@ -217,14 +227,17 @@ StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::
   return lin;
 }
 
-// oneDNN for buckets >= min_bucket. With same_kernel, FailedPrecondition when the buckets' kernels
-// differ (or are not brgemm, whose row order is M-independent); Internal when oneDNN has no kernel.
-Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, bool same_kernel) {
+// oneDNN for buckets min_bucket..max_bucket (larger M runs as max_bucket-row tiles). With same_kernel,
+// FailedPrecondition when the buckets' kernels differ (or are not brgemm), or when a probe run shows a
+// bucket summing in another order than the smallest one (the same kernel name does not promise the same
+// order: AMX brgemm blocks K differently at M = 128 for K = 4864); Internal when oneDNN has no kernel.
+Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, int max_bucket, bool same_kernel) {
   GemmRuntime& rt = *rt_;
   const int n = n_, k = k_;
   const DType dt = dt_;
   weight_bytes_ = 0;
   first_bucket_ = BucketIndex(min_bucket);
+  last_bucket_ = BucketIndex(max_bucket);
   const int nthr = rt.n_threads();
   // Slices are multiples of 16 columns (a full f32 vector) so that a column never straddles two threads.
   const int units = (n + 15) / 16;
@@ -241,7 +254,7 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, b
       QKV_ASSIGN_OR_RETURN(memory::desc wd, rt.PreferredWeights(s.n, k, n, dt, bias != nullptr));
       // Check every bucket's kernel before registering any primitive: a rejected layout must not leave
       // primitives, scratchpads and output buffers behind in the runtime.
-      for (int b = first_bucket_; same_kernel && b < kNumBuckets; ++b) {
+      for (int b = first_bucket_; same_kernel && b <= last_bucket_; ++b) {
         QKV_ASSIGN_OR_RETURN(const std::string impl, rt.KernelFor(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
         if (impl.rfind("brg:", 0) != 0 || (!kernel.empty() && impl != kernel)) {
           return FailedPrecondition("oneDNN picks " + (kernel.empty() ? impl : kernel + " and " + impl) +
@@ -250,7 +263,7 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, b
         kernel = impl;
       }
       s.buckets.resize(kNumBuckets);
-      for (int b = first_bucket_; b < kNumBuckets; ++b) {
+      for (int b = first_bucket_; b <= last_bucket_; ++b) {
         QKV_ASSIGN_OR_RETURN(const GemmRuntime::Prim* p, rt.Get(kBuckets[b], s.n, k, n, dt, bias != nullptr, wd));
         Slice::Bucket& bk = s.buckets[b];
         bk.p = p;
@@ -270,7 +283,7 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, b
         s.bias = memory({{1, s.n}, memory::data_type::f32, tag::ab}, rt.engine());
         std::memcpy(s.bias.get_data_handle(), bias + s.n0, sizeof(float) * s.n);
       }
-      for (int b = first_bucket_; b < kNumBuckets; ++b) {
+      for (int b = first_bucket_; b <= last_bucket_; ++b) {
         Slice::Bucket& bk = s.buckets[b];
         // Built once: the memories are handles, so Forward only re-points them.
         bk.args = {{DNNL_ARG_SRC, bk.src},
@@ -279,11 +292,75 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, b
                    {DNNL_ARG_SCRATCHPAD, bk.scratch}};
         if (bias) bk.args.insert({DNNL_ARG_BIAS, s.bias});
       }
+      if (same_kernel) QKV_RETURN_IF_ERROR(ProbeSameBits(s));
     } catch (const dnnl::error& e) {
       return Internal(std::string("linear: oneDNN: ") + e.what());
     }
     slices_.push_back(std::move(s));
   }
+  return {};
+}
+
+// Runs every bucket of the slice on the same deterministic rows and checks that a sample of rows (at the
+// positions where tiles and register blocks begin and end) comes out with the bits each gets alone, at
+// position 0 of the smallest bucket. Slices whose buckets share primitives share the verdict.
+Status Linear::ProbeSameBits(Slice& s) {
+  GemmRuntime& rt = *rt_;
+  std::vector<const GemmRuntime::Prim*> key;
+  for (int b = first_bucket_; b <= last_bucket_; ++b) key.push_back(s.buckets[b].p);
+  auto& verdicts = rt.probe_verdicts();
+  auto it = verdicts.find(key);
+  if (it == verdicts.end()) {
+    const int lo = kBuckets[first_bucket_], hi = kBuckets[last_bucket_];
+    const int rows = hi + lo;
+    std::vector<float> xf(static_cast<size_t>(rows) * k_);
+    uint32_t state = 12345u + static_cast<uint32_t>(k_);
+    for (float& v : xf) {
+      state = state * 1664525u + 1013904223u;
+      v = static_cast<float>(state >> 8) / 8388608.0f - 1.0f;  // [-1, 1)
+    }
+    std::vector<uint16_t> xb;
+    if (dt_ == DType::kBF16) {
+      xb.resize(xf.size());
+      F32ToBf16Bulk(xf.data(), xb.data(), static_cast<int64_t>(xf.size()));
+    }
+    const size_t esz = DTypeBytes(dt_);
+    const auto* x =
+        dt_ == DType::kBF16 ? reinterpret_cast<const uint8_t*>(xb.data()) : reinterpret_cast<const uint8_t*>(xf.data());
+    std::vector<float> out(static_cast<size_t>(hi) * s.n), ref;
+    auto run = [&](int b, int row0) {
+      Slice::Bucket& bk = s.buckets[b];
+      bk.src.set_data_handle(const_cast<uint8_t*>(x) + esz * row0 * k_);
+      bk.dst.set_data_handle(out.data());
+      bk.scratch.set_data_handle(rt.scratch(0));
+      bk.p->prim.execute(rt.stream(0), bk.args);
+      rt.stream(0).wait();
+    };
+    std::vector<int> sample;
+    for (int r : {0, 1, 2, 3, 5, 8, 13, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 127}) {
+      if (r < hi) sample.push_back(r);
+    }
+    std::string verdict;
+    SingleThreaded([&] {
+      for (int r : sample) {
+        run(first_bucket_, r);
+        ref.insert(ref.end(), out.begin(), out.begin() + s.n);
+      }
+      for (int b = first_bucket_ + 1; b <= last_bucket_ && verdict.empty(); ++b) {
+        run(b, 0);
+        for (size_t i = 0; i < sample.size() && sample[i] < kBuckets[b]; ++i) {
+          if (std::memcmp(&out[static_cast<size_t>(sample[i]) * s.n], &ref[i * s.n], sizeof(float) * s.n) != 0) {
+            verdict = "oneDNN's M=" + std::to_string(kBuckets[b]) + " primitive gives row " +
+                      std::to_string(sample[i]) + " other bits than M=" + std::to_string(lo);
+            break;
+          }
+        }
+      }
+      return 0;
+    });
+    it = verdicts.emplace(std::move(key), std::move(verdict)).first;
+  }
+  if (!it->second.empty()) return FailedPrecondition(it->second);
   return {};
 }
 
@@ -324,8 +401,9 @@ void Linear::Forward(const void* x, int m, float* y) const {
   for (int si = 0; si < nslices; ++si) {
     const int t = omp_get_thread_num();
     const Slice& s = slices_[si];
-    for (int r0 = 0; r0 < m; r0 += kTileRows) {
-      const int rows = std::min(kTileRows, m - r0);
+    const int tile = kBuckets[last_bucket_];
+    for (int r0 = 0; r0 < m; r0 += tile) {
+      const int rows = std::min(tile, m - r0);
       const Slice::Bucket& bk = s.buckets[std::max(first_bucket_, BucketIndex(rows))];
       bk.src.set_data_handle(const_cast<uint8_t*>(static_cast<const uint8_t*>(x)) + esz * r0 * k_);
       float* out = rt_->out(t);

@@ -90,6 +90,8 @@ class GemmRuntime {
     layers_.insert(what);
     bf16_input_ |= input == DType::kBF16;
   }
+  // Verdicts of Linear's same-bits probe, by the primitives of a slice's buckets (empty: same bits).
+  std::map<std::vector<const Prim*>, std::string>& probe_verdicts() { return probes_; }
   // Whether any layer takes bf16 input (then callers need a bf16 staging buffer).
   bool any_bf16_input() const { return bf16_input_; }
 
@@ -103,6 +105,7 @@ class GemmRuntime {
   std::vector<std::vector<float>> out_;
   std::map<std::string, std::unique_ptr<Prim>> prims_;
   std::set<std::string> layers_;
+  std::map<std::vector<const Prim*>, std::string> probes_;
   bool bf16_input_ = false;
   QuantizedRows qrows_;
 };
@@ -145,11 +148,13 @@ class Linear {
     std::vector<Bucket> buckets;
   };
   Linear() = default;
-  Status CreateOneDnn(const float* w, const float* bias, int min_bucket, bool same_kernel);
+  Status CreateOneDnn(const float* w, const float* bias, int min_bucket, int max_bucket, bool same_kernel);
+  Status ProbeSameBits(Slice& s);
   GemmRuntime* rt_ = nullptr;
   std::unique_ptr<PackedWeights> packed_;
   std::shared_ptr<const QuantWeights> quant_;
   int first_bucket_ = 0;  // buckets below it are padded up to it
+  int last_bucket_ = 0;   // oneDNN: M runs in tiles of this bucket's rows
   int n_ = 0, k_ = 0;
   DType dt_ = DType::kF32;
   size_t weight_bytes_ = 0;
