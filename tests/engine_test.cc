@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <map>
 #include <random>
@@ -462,8 +463,29 @@ TEST_P(EngineTest, PressureEvictsSessionsThenPreemptsWithoutChangingOutputs) {
   for (int k = 0; k < 6; ++k) solo[k] = Run(Greedy(Prompt(40, k), 20)).tokens;
   ASSERT_TRUE(engine_->CreateSession("", "idle", 0, 0, {}).ok());
   Run(Greedy(Prompt(60, 50), 4, "idle"));
+  // All six arrive between two steps (the engine thread is held while they are queued), so that they
+  // compete for the cache whatever the machine's speed: submitted one by one, a fast CPU could finish
+  // the first ones before the last arrive, and nothing would need preempting.
+  std::promise<void> held, release;
+  std::thread holder([&] {
+    engine_->RunOnEngineThread([&] {
+      held.set_value();
+      release.get_future().wait();
+    });
+  });
+  held.get_future().wait();
+  std::vector<std::promise<Engine::StreamOrError>> submitted(6);
+  for (int k = 0; k < 6; ++k) {
+    engine_->Submit(Greedy(Prompt(40, k), 20), [&, k](Engine::StreamOrError r) { submitted[k].set_value(r); });
+  }
+  release.set_value();
+  holder.join();
   std::vector<std::shared_ptr<RequestStream>> st;
-  for (int k = 0; k < 6; ++k) st.push_back(*engine_->Submit(Greedy(Prompt(40, k), 20)));
+  for (int k = 0; k < 6; ++k) {
+    auto r = submitted[k].get_future().get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    st.push_back(*r);
+  }
   for (int k = 0; k < 6; ++k) EXPECT_EQ(Drain(st[k]).tokens, solo[k]) << k;
   const EngineStats s = engine_->Stats();
   EXPECT_GT(s.session_evictions_memory, 0u);
