@@ -80,10 +80,20 @@ StatusOr<CapacityPlan> PlanCapacity(const std::string& config_json, int64_t memo
     p.kv_bytes_per_token = p.full_layers * per_layer;
     p.sliding_bytes_per_token = p.sliding_layers * per_layer;
   }
-  if (p.linear_layers > 0) {  // Qwen3-Next-style gated delta-net state, when described
-    const int64_t vh = geti("linear_num_value_heads", 0), dk = geti("linear_key_head_dim", 0),
-                  dv = geti("linear_value_head_dim", 0);
-    p.linear_state_bytes = p.linear_layers * vh * dk * dv * std::max(bytes_per_element, 2);
+  if (p.linear_layers > 0) {  // Gated DeltaNet state (Qwen3-Next, Qwen3.5), when described
+    // What the engine keeps per sequence and layer (model_config.h LinearAttnConfig, always f32 whatever
+    // the KV dtype): the conv window, the d_k × d_v matrix per value head, and the open chunk's keys/values.
+    LinearAttnConfig la;
+    la.conv_kernel = static_cast<int>(geti("linear_conv_kernel_dim", 4));
+    la.n_k_heads = static_cast<int>(geti("linear_num_key_heads", 0));
+    la.n_v_heads = static_cast<int>(geti("linear_num_value_heads", 0));
+    la.k_dim = static_cast<int>(geti("linear_key_head_dim", 0));
+    la.v_dim = static_cast<int>(geti("linear_value_head_dim", 0));
+    if (la.conv_kernel < 1 || la.n_k_heads < 0 || la.n_v_heads < 0 || la.k_dim < 0 || la.v_dim < 0 ||
+        la.n_k_heads > 4096 || la.n_v_heads > 4096 || la.k_dim > 4096 || la.v_dim > 4096 || la.conv_kernel > 64) {
+      return InvalidArgument("config: linear attention dimensions out of range");
+    }
+    p.linear_state_bytes = p.linear_layers * la.state_bytes();
   }
   p.bytes_per_session = p.kv_bytes_per_token * context +
                         p.sliding_bytes_per_token * std::min(context, p.sliding_window) + p.linear_state_bytes;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "engine/linear_attn.h"
 #include "engine/status.h"
 
 namespace qkv {
@@ -31,7 +32,8 @@ struct CapacityPlan {
 
 // The size of a cached element: bytes per K/V (or MLA) value, and bytes of scale per cached vector (one
 // token's K, or V, of one kv head; an MLA latent; an MLA rope key): 2 for qkvserve's int8 cache (a bf16
-// scale), else 0. A linear layer's state is counted at max(bytes, 2) bytes per value (it is not quantized).
+// scale), else 0. A linear (Gated DeltaNet) layer's state is f32 whatever the KV dtype: the conv window, the
+// matrix and the open chunk (model_config.h LinearAttnConfig::state_bytes, what the engine allocates).
 struct KvElement {
   int bytes = 2;
   int scale_bytes = 0;

@@ -874,6 +874,10 @@ void Engine::PublishStats() {
   s.blocks_free = pool.free_blocks();
   s.block_size = B;
   s.kv_bytes_per_token = scheduler_.cache().layout().tokens.bytes_per_token();
+  const StateStore& states = scheduler_.cache().states();
+  s.state_slots_used = states.used_slots();
+  s.state_slots_free = states.free_slots();
+  s.state_bytes_per_slot = states.bytes_per_slot();
   s.expert_tokens = model_.ExpertTokens();
   s.tokens_capacity = s.blocks_total * B;
   // Token slots holding K/V: per used block, the most positions any owner has filled in it.

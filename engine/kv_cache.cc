@@ -63,6 +63,18 @@ void StateStore::Release(int slot) {
   free_.push_back(slot);
 }
 
+Status ReserveStateSlot(SeqKv& seq, StateStore& st) {
+  if (st.n_slots() == 0 || st.in_use(seq.state_slot)) return {};
+  seq.state_slot = st.Allocate();
+  if (seq.state_slot < 0) return ResourceExhausted("no free state slot");
+  return {};
+}
+
+void ReleaseStateSlot(SeqKv& seq, StateStore& st) {
+  if (seq.state_slot >= 0) st.Release(seq.state_slot);
+  seq.state_slot = -1;
+}
+
 StatusOr<std::unique_ptr<CacheStores>> CacheStores::Create(const CacheLayout& layout) {
   if (layout.state_bytes_per_seq < 0 || layout.state_slots < 0 ||
       (layout.state_bytes_per_seq > 0 && layout.state_slots == 0)) {

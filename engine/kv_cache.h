@@ -108,6 +108,11 @@ class StateStore {
   std::vector<bool> used_;
 };
 
+// For tools and tests that drive Model::Forward without a scheduler: gives seq a zeroed slot when the store has
+// slots and seq holds none (ResourceExhausted when all are in use); the release gives it back.
+Status ReserveStateSlot(SeqKv& seq, StateStore& st);
+void ReleaseStateSlot(SeqKv& seq, StateStore& st);
+
 // What a model's layers cache, sized: the paged token store's shape (n_blocks included) and the state
 // slots. Model::cache_layout() computes it from the model options; CacheStores::Create allocates it.
 struct CacheLayout {

@@ -112,6 +112,17 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   ks.block_size = opt.block_size;
   ks.dtype = opt.kv_dtype;
   const int64_t ctx_blocks = (m->max_ctx_ + opt.block_size - 1) / opt.block_size;
+  // Layers that keep per-sequence state (Gated DeltaNet) share the budget with the KV blocks: unless
+  // --state-slots gives the count, the slots take up to half the budget (at least 1, at most 64 slots) and
+  // the blocks the rest; without a byte budget, 64 slots or as many as 2 GiB hold, at least 1.
+  const CacheSpec spec = m->cache_spec();
+  const int64_t state_bytes = spec.state_bytes_per_seq;
+  constexpr int kMaxDefaultSlots = 64;
+  int slots = 0;
+  if (state_bytes > 0) {
+    slots = opt.state_slots > 0 ? opt.state_slots
+                                : static_cast<int>(std::clamp<int64_t>((2ll << 30) / state_bytes, 1, kMaxDefaultSlots));
+  }
   if (opt.kv_blocks > 0) {
     ks.n_blocks = opt.kv_blocks;
   } else if (opt.kv_cache_bytes > 0 || opt.kv_cache_bytes == ModelOptions::kAutoKvBytes) {
@@ -121,21 +132,37 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
       // A quarter of what is available after the weights, at most 8 GiB, and no more than 256 full
       // contexts (a small model needs far less than a quarter of the machine).
       budget = std::min<int64_t>({std::max<int64_t>(avail - static_cast<int64_t>(m->weight_bytes_), 0) / 4, 8ll << 30,
-                                  256ll * m->max_ctx_ * ks.bytes_per_token()});
+                                  256ll * m->max_ctx_ * ks.bytes_per_token() + kMaxDefaultSlots * state_bytes});
+    }
+    if (state_bytes > 0) {
+      if (opt.state_slots <= 0) {
+        slots = static_cast<int>(std::clamp<int64_t>(budget / 2 / state_bytes, 1, kMaxDefaultSlots));
+      }
+      budget = std::max<int64_t>(budget - slots * state_bytes, 0);
     }
     ks.n_blocks = std::max(budget / ks.bytes_per_block(), ctx_blocks);
   } else {
     ks.n_blocks = ctx_blocks;
   }
   // One accounting: the arena's bytes per token are what the layer kinds declare they cache.
-  const CacheSpec spec = m->cache_spec();
   if (spec.bytes_per_token != ks.bytes_per_token()) {
     return Internal("model: layers cache " + std::to_string(spec.bytes_per_token) +
                     " bytes per token but the KV arena holds " + std::to_string(ks.bytes_per_token()));
   }
+  if (state_bytes != c.StateBytesPerSeq()) {
+    return Internal("model: layers keep " + std::to_string(state_bytes) +
+                    " bytes of state per sequence but the "
+                    "config says " +
+                    std::to_string(c.StateBytesPerSeq()));
+  }
   m->layout_.tokens = ks;
-  m->layout_.state_bytes_per_seq = spec.state_bytes_per_seq;
-  m->layout_.state_slots = spec.state_bytes_per_seq > 0 ? (opt.state_slots > 0 ? opt.state_slots : 64) : 0;
+  m->layout_.state_bytes_per_seq = state_bytes;
+  m->layout_.state_slots = slots;
+  if (state_bytes > 0) {
+    spdlog::info("state: {} slots of {:.2f} MiB ({} Gated DeltaNet layers), {:.1f} MiB", slots,
+                 static_cast<double>(state_bytes) / (1 << 20), c.n_layers - c.n_attention_layers(),
+                 static_cast<double>(m->layout_.state_bytes()) / (1 << 20));
+  }
   spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks,
                ks.block_size, ks.n_blocks * ks.block_size, static_cast<double>(m->layout_.token_bytes()) / (1 << 20),
                ks.bytes_per_token(), DTypeName(ks.dtype));
@@ -202,7 +229,9 @@ Status Model::LoadWeights(const GgufFile& f) {
   weight_bytes_ += lm_head_->weight_bytes() + final_norm_.size() * 4;
   weight_bytes_per_token_ += lm_head_->weight_bytes();
 
-  // The decoder stack, block by block, as the registered layer kinds the model's blocks are made of.
+  // The decoder stack, block by block, as the registered layer kinds the model's blocks are made of. Layers
+  // that keep state get consecutive shares of a state slot.
+  int64_t state_bytes = 0;
   for (int l = 0; l < c.n_layers; ++l) {
     for (std::string_view name : ModelLayerKinds(c, l)) {
       QKV_ASSIGN_OR_RETURN(const LayerKind* kind, FindLayerKind(name));
@@ -214,9 +243,11 @@ Status Model::LoadWeights(const GgufFile& f) {
                    opt_.keep_quantized,
                    opt_.kv_dtype,
                    kind->caches_tokens ? kv_layers_++ : -1,
+                   state_bytes,
                    rope_.get(),
                    rows_cap_};
       QKV_ASSIGN_OR_RETURN(std::unique_ptr<Layer> layer, kind->make(in));
+      state_bytes += layer->cache().state_bytes_per_seq;
       weight_bytes_ += layer->weight_bytes();
       weight_bytes_per_token_ += layer->weight_bytes_per_token();
       layers_.push_back(std::move(layer));

@@ -14,6 +14,7 @@ const char* ArchName(Arch a) {
     case Arch::kQwen3: return "qwen3";
     case Arch::kDeepseek2: return "deepseek2";
     case Arch::kQwen3Moe: return "qwen3moe";
+    case Arch::kQwen35: return "qwen35";
   }
   return "?";
 }
@@ -86,7 +87,25 @@ StatusOr<Arch> ParseArch(const std::string& s) {
   if (s == "qwen3") return Arch::kQwen3;
   if (s == "deepseek2") return Arch::kDeepseek2;
   if (s == "qwen3moe") return Arch::kQwen3Moe;
-  return InvalidArgument("unsupported architecture '" + s + "' (supported: llama, qwen2, qwen3, qwen3moe, deepseek2)");
+  if (s == "qwen35") return Arch::kQwen35;
+  return InvalidArgument("unsupported architecture '" + s +
+                         "' (supported: llama, qwen2, qwen3, qwen3moe, qwen35, deepseek2)");
+}
+
+int ModelConfig::n_attention_layers() const {
+  int n = 0;
+  for (int l = 0; l < n_layers; ++l) n += !is_linear_layer(l);
+  return n;
+}
+
+int64_t ModelConfig::StateBytesPerSeq() const {
+  int64_t n = 0;
+  for (int l = 0; l < n_layers; ++l) n += is_linear_layer(l) ? linear.state_bytes() : 0;
+  return n;
+}
+
+std::string ModelConfig::FfnNormName(int block) const {
+  return "blk." + std::to_string(block) + (is_hybrid() ? ".post_attention_norm.weight" : ".ffn_norm.weight");
 }
 
 const char* ModelConfig::AttentionKind() const {
@@ -123,7 +142,15 @@ int64_t ModelConfig::Parameters(bool active_only) const {
   if (attention_bias) layer += qrows + 2 * kv_dim();
   if (qk_norm) layer += 2 * head_dim;
   if (attention_sinks) layer += n_heads;
-  return layer * n_layers + ffn_total + int64_t{vocab} * h * (tied_embeddings ? 1 : 2) + h;
+  // A Gated DeltaNet layer: [qkv | z | b | a] projections, the conv kernel, dt bias and A, the gated norm, out.
+  const LinearAttnConfig& la = linear;
+  const int64_t vd = int64_t{la.n_v_heads} * la.v_dim;
+  const int64_t linear_layer = h * (la.conv_channels() + vd + 2 * la.n_v_heads) +
+                               int64_t{la.conv_channels()} * la.conv_kernel + 2 * la.n_v_heads + la.v_dim + vd * h +
+                               2 * h;
+  const int64_t n_lin = n_layers - n_attention_layers();
+  return layer * (n_layers - n_lin) + linear_layer * n_lin + ffn_total +
+         int64_t{vocab} * h * (tied_embeddings ? 1 : 2) + h;
 }
 
 Status ModelConfig::Validate() const {
@@ -163,6 +190,21 @@ Status ModelConfig::Validate() const {
       return bad("n_group must divide num_experts (and be fewer), and topk_group be in 1..n_group-1");
     }
     if (!std::isfinite(moe.weights_scale)) return bad("routed_scaling_factor must be finite");
+  }
+  if (is_hybrid()) {
+    const LinearAttnConfig& la = linear;
+    if (la.conv_kernel < 1 || la.conv_kernel > 64) return bad("linear_conv_kernel_dim must be in 1..64");
+    if (la.n_k_heads <= 0 || la.n_k_heads > 1024) return bad("linear_num_key_heads must be in 1..1024");
+    if (la.n_v_heads <= 0 || la.n_v_heads > 1024 || la.n_v_heads % la.n_k_heads != 0) {
+      return bad("linear_num_value_heads must be in 1..1024 and a multiple of linear_num_key_heads");
+    }
+    if (la.k_dim <= 0 || la.k_dim > 1024) return bad("linear_key_head_dim must be in 1..1024");
+    if (la.v_dim <= 0 || la.v_dim > 1024) return bad("linear_value_head_dim must be in 1..1024");
+    if (recurrent.size() != static_cast<size_t>(n_layers)) return bad("one layer type per layer is needed");
+    if (n_attention_layers() == 0) return bad("a hybrid model needs at least one full_attention layer");
+    if (!attn_output_gate || !qk_norm) return bad("qwen35's attention layers have an output gate and q/k norms");
+  } else if (!recurrent.empty()) {
+    return bad("linear-attention layers need architecture qwen35");
   }
   if (is_mla()) {
     if (mla.kv_lora_rank <= 0 || mla.kv_lora_rank > 16384) return bad("kv_lora_rank must be in 1..16384");
@@ -324,6 +366,48 @@ StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
   c.attention_sinks = f.FindTensor("blk.0.attn_sinks.weight") != nullptr;
   c.qk_norm = f.FindTensor("blk.0.attn_q_norm.weight") != nullptr;
   c.attention_bias = f.FindTensor("blk.0.attn_q.bias") != nullptr;
+  if (c.arch == Arch::kQwen35) {
+    // qwen35.cpp: gated attention with q/k norms in the full-attention layers, Gated DeltaNet in the others.
+    c.attn_output_gate = c.qk_norm = true;
+    c.attention_bias = c.attention_sinks = false;
+    LinearAttnConfig& la = c.linear;
+    int inner = 0;
+    for (const char* k :
+         {"ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count"}) {
+      if (!f.Find(p + k)) return DataLoss("gguf: qwen35 needs metadata '" + p + k + "' (llama.cpp requires it)");
+    }
+    QKV_RETURN_IF_ERROR(get_int("ssm.conv_kernel", &la.conv_kernel));
+    QKV_RETURN_IF_ERROR(get_int("ssm.inner_size", &inner));
+    QKV_RETURN_IF_ERROR(get_int("ssm.state_size", &la.k_dim));
+    QKV_RETURN_IF_ERROR(get_int("ssm.time_step_rank", &la.n_v_heads));
+    QKV_RETURN_IF_ERROR(get_int("ssm.group_count", &la.n_k_heads));
+    if (inner % la.n_v_heads != 0) {
+      return DataLoss("gguf: '" + p + "ssm.inner_size' must be a multiple of '" + p + "ssm.time_step_rank'");
+    }
+    la.v_dim = inner / la.n_v_heads;
+    // Multi-token-prediction blocks follow the trunk's (llama.cpp runs them only for drafting): not loaded.
+    const int64_t nextn = f.GetIntOr(p + "nextn_predict_layers", 0);
+    if (nextn < 0 || nextn >= c.n_layers) return InvalidArgument("gguf: '" + p + "nextn_predict_layers' out of range");
+    const int n_all = c.n_layers;
+    c.n_layers -= static_cast<int>(nextn);
+    c.recurrent.assign(static_cast<size_t>(c.n_layers), false);
+    if (const GgufValue* v = f.Find(p + "attention.recurrent_layers")) {
+      // llama.cpp's get_key_or_arr: one value for every layer, or one per layer (of n_layer_all).
+      if (v->type == GgufType::kArray) {
+        if (v->array.size() != static_cast<size_t>(n_all)) {
+          return DataLoss("gguf: '" + p + "attention.recurrent_layers' must have one entry per block");
+        }
+        for (int l = 0; l < c.n_layers; ++l)
+          c.recurrent[static_cast<size_t>(l)] = v->array[static_cast<size_t>(l)].u != 0;
+      } else {
+        for (int l = 0; l < c.n_layers; ++l) c.recurrent[static_cast<size_t>(l)] = v->u != 0;
+      }
+    } else {
+      int interval = 4;
+      if (f.Find(p + "full_attention_interval")) QKV_RETURN_IF_ERROR(get_int("full_attention_interval", &interval));
+      for (int l = 0; l < c.n_layers; ++l) c.recurrent[static_cast<size_t>(l)] = (l + 1) % interval != 0;
+    }
+  }
   c.tied_embeddings = f.FindTensor("output.weight") == nullptr;
   const GgufTensor* emb = f.FindTensor("token_embd.weight");
   if (!emb) return DataLoss("gguf: missing tensor 'token_embd.weight'");
@@ -373,7 +457,15 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
   QKV_RETURN_IF_ERROR(geti("max_position_embeddings", &c.context_length, false));
   QKV_RETURN_IF_ERROR(getf("rope_theta", &c.rope_theta));
   QKV_RETURN_IF_ERROR(getf("rms_norm_eps", &c.rms_eps));
-  double partial = 1.0;
+  // Qwen3.5 rotates a quarter of each head unless told (the converter's default partial_rotary_factor).
+  double partial = arch == Arch::kQwen35 ? 0.25 : 1.0;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // newer transformers nest them
+    const nlohmann::json& rp = j["rope_parameters"];
+    if (rp.contains("rope_theta") && rp["rope_theta"].is_number()) c.rope_theta = rp["rope_theta"].get<double>();
+    if (rp.contains("partial_rotary_factor") && rp["partial_rotary_factor"].is_number()) {
+      partial = rp["partial_rotary_factor"].get<double>();
+    }
+  }
   QKV_RETURN_IF_ERROR(getf("partial_rotary_factor", &partial));
   if (!(partial > 0 && partial <= 1)) return InvalidArgument("config: 'partial_rotary_factor' must be in (0, 1]");
   c.rotary_dim = static_cast<int>(c.head_dim * partial);
@@ -417,6 +509,36 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
     }
     if (arch == Arch::kDeepseek2) {
       QKV_ASSIGN_OR_RETURN(c.rope_yarn_log_mul, num("mscale_all_dim", 0.0));
+    }
+  }
+  if (arch == Arch::kQwen35) {
+    c.qk_norm = true;
+    c.attn_output_gate = true;
+    QKV_RETURN_IF_ERROR(getb("attn_output_gate", &c.attn_output_gate));
+    LinearAttnConfig& la = c.linear;
+    QKV_RETURN_IF_ERROR(geti("linear_conv_kernel_dim", &la.conv_kernel, true));
+    QKV_RETURN_IF_ERROR(geti("linear_key_head_dim", &la.k_dim, true));
+    QKV_RETURN_IF_ERROR(geti("linear_value_head_dim", &la.v_dim, true));
+    QKV_RETURN_IF_ERROR(geti("linear_num_key_heads", &la.n_k_heads, true));
+    QKV_RETURN_IF_ERROR(geti("linear_num_value_heads", &la.n_v_heads, true));
+    c.recurrent.assign(static_cast<size_t>(c.n_layers), false);
+    if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+      const nlohmann::json& lt = j["layer_types"];
+      if (!lt.is_array() || lt.size() != static_cast<size_t>(c.n_layers)) {
+        return InvalidArgument("config: 'layer_types' must list one type per layer");
+      }
+      for (size_t l = 0; l < lt.size(); ++l) {
+        const std::string t = lt[l].is_string() ? lt[l].get<std::string>() : "";
+        if (t != "linear_attention" && t != "full_attention") {
+          return InvalidArgument("config: 'layer_types[" + std::to_string(l) +
+                                 "]' must be \"linear_attention\" or \"full_attention\"");
+        }
+        c.recurrent[l] = t == "linear_attention";
+      }
+    } else {
+      int interval = 4;
+      QKV_RETURN_IF_ERROR(geti("full_attention_interval", &interval, false));
+      for (int l = 0; l < c.n_layers; ++l) c.recurrent[static_cast<size_t>(l)] = (l + 1) % interval != 0;
     }
   }
   if (arch == Arch::kQwen3Moe) {
@@ -543,6 +665,36 @@ void ModelConfig::ToGguf(GgufWriter& w) const {
     w.SetU32(p + "attention.value_length", static_cast<uint32_t>(head_dim));
   }
   w.SetU32(p + "rope.dimension_count", static_cast<uint32_t>(rotary_dim));
+  if (is_hybrid()) {  // as llama.cpp's converter writes Qwen3.5 (Qwen3_5TextModel)
+    w.SetU32(p + "ssm.conv_kernel", static_cast<uint32_t>(linear.conv_kernel));
+    w.SetU32(p + "ssm.state_size", static_cast<uint32_t>(linear.k_dim));
+    w.SetU32(p + "ssm.group_count", static_cast<uint32_t>(linear.n_k_heads));
+    w.SetU32(p + "ssm.time_step_rank", static_cast<uint32_t>(linear.n_v_heads));
+    w.SetU32(p + "ssm.inner_size", static_cast<uint32_t>(linear.v_dim * linear.n_v_heads));
+    // The layer pattern: an interval when it is one (what the converter writes), else the per-layer flags.
+    int interval = 0;
+    for (int iv = 1; iv <= n_layers && interval == 0; ++iv) {
+      bool match = true;
+      for (int l = 0; l < n_layers && match; ++l) match = is_linear_layer(l) == ((l + 1) % iv != 0);
+      if (match) interval = iv;
+    }
+    if (interval > 0) {
+      w.SetU32(p + "full_attention_interval", static_cast<uint32_t>(interval));
+    } else {
+      GgufValue flags;
+      flags.type = GgufType::kArray;
+      flags.array_type = GgufType::kBool;
+      for (int l = 0; l < n_layers; ++l) {
+        GgufValue b;
+        b.type = GgufType::kBool;
+        b.u = is_linear_layer(l) ? 1 : 0;
+        flags.array.push_back(b);
+      }
+      w.SetValue(p + "attention.recurrent_layers", flags);
+    }
+    // Text positions are the same in every M-RoPE section; llama.cpp requires the key (Qwen3.5's default).
+    w.SetI32Array(p + "rope.dimension_sections", {11, 11, 10, 0});
+  }
   if (arch == Arch::kQwen3Moe) {
     w.SetU32(p + "expert_count", static_cast<uint32_t>(moe.n_experts));
     w.SetU32(p + "expert_used_count", static_cast<uint32_t>(moe.n_used));
@@ -559,7 +711,7 @@ void ModelConfig::ToGguf(GgufWriter& w) const {
   w.SetU32(p + "vocab_size", static_cast<uint32_t>(vocab));
   w.SetF32(p + "rope.freq_base", static_cast<float>(rope_theta));
   w.SetF32(p + "attention.layer_norm_rms_epsilon", static_cast<float>(rms_eps));
-  if (attn_output_gate) w.SetBool(kKeyOutputGate, true);
+  if (attn_output_gate && !is_hybrid()) w.SetBool(kKeyOutputGate, true);
   if (attention_sinks) w.SetBool(kKeySinks, true);
 }
 
@@ -574,6 +726,11 @@ std::string ModelConfig::Summary() const {
     o << " experts=" << moe.n_experts << " used=" << moe.n_used << " expert_ffn=" << moe.expert_ffn;
     if (moe.n_shared) o << " shared=" << moe.n_shared;
     if (n_dense_lead) o << " dense_lead=" << n_dense_lead;
+  }
+  if (is_hybrid()) {
+    o << " linear_layers=" << n_layers - n_attention_layers() << " (k_heads=" << linear.n_k_heads
+      << " v_heads=" << linear.n_v_heads << " k_dim=" << linear.k_dim << " v_dim=" << linear.v_dim
+      << " conv=" << linear.conv_kernel << ")";
   }
   if (is_mla()) {
     o << " kv_lora_rank=" << mla.kv_lora_rank << " q_lora_rank=" << mla.q_lora_rank << " qk_nope=" << mla.qk_nope_dim

@@ -5,13 +5,15 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "engine/gguf.h"
+#include "engine/linear_attn.h"
 #include "engine/status.h"
 
 namespace qkv {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kDeepseek2, kQwen3Moe };
+enum class Arch { kLlama, kQwen2, kQwen3, kDeepseek2, kQwen3Moe, kQwen35 };
 
 const char* ArchName(Arch a);
 StatusOr<Arch> ParseArch(const std::string& s);
@@ -94,8 +96,20 @@ struct ModelConfig {
   MlaConfig mla;
   MoeConfig moe;
   int n_dense_lead = 0;  // deepseek2: the first blocks have a dense FFN; MoE after them
+  // qwen35: which blocks are Gated DeltaNet layers (the others are gated full attention), and their shape.
+  LinearAttnConfig linear;
+  std::vector<bool> recurrent;  // [n_layers]; empty: every layer is full attention
 
   bool is_mla() const { return arch == Arch::kDeepseek2; }
+  bool is_hybrid() const { return arch == Arch::kQwen35; }
+  bool is_linear_layer(int block) const {
+    return block >= 0 && static_cast<size_t>(block) < recurrent.size() && recurrent[static_cast<size_t>(block)];
+  }
+  int n_attention_layers() const;
+  // Bytes of per-sequence state (every Gated DeltaNet layer's share of a state slot); 0 without such layers.
+  int64_t StateBytesPerSeq() const;
+  // The FFN norm's tensor name in block `block` (qwen35: post_attention_norm).
+  std::string FfnNormName(int block) const;
   // Whether block `block`'s FFN is a mixture of experts.
   bool is_moe_block(int block) const { return moe.n_experts > 0 && block >= n_dense_lead; }
   // Per head, the query/key width before absorption (qk_nope + qk_rope; llama.cpp's key_length_mla).
@@ -106,12 +120,12 @@ struct ModelConfig {
 
   int q_dim() const { return n_heads * head_dim; }
   int kv_dim() const { return n_kv_heads * head_dim; }
-  // Every layer here is a full-attention layer: layers × 2 (K and V) × n_kv_heads × (head_dim × bytes +
-  // scale bytes); MLA: layers × ((kv_lora_rank + qk_rope_dim) × bytes + 2 × scale bytes), one scale for the
-  // latent and one for the rope key (int8's are 2 bytes each; kv_cache.h KvVectorBytes).
+  // Full-attention layers × 2 (K and V) × n_kv_heads × (head_dim × bytes + scale bytes); MLA: layers ×
+  // ((kv_lora_rank + qk_rope_dim) × bytes + 2 × scale bytes), one scale for the latent and one for the rope key
+  // (int8's are 2 bytes each; kv_cache.h KvVectorBytes). Gated DeltaNet layers cache nothing per token.
   int64_t KvBytesPerToken(int bytes_per_element, int scale_bytes = 0) const {
     if (is_mla()) return int64_t{n_layers} * ((mla.kv_lora_rank + rotary_dim) * bytes_per_element + 2 * scale_bytes);
-    return int64_t{n_layers} * 2 * n_kv_heads * (head_dim * bytes_per_element + scale_bytes);
+    return int64_t{n_attention_layers()} * 2 * n_kv_heads * (head_dim * bytes_per_element + scale_bytes);
   }
   const char* AttentionKind() const;  // "MHA", "GQA", "MQA" or "MLA"
   int64_t ParameterCount() const;

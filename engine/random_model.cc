@@ -88,6 +88,27 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
         matrix(p + "ffn_down.weight", H, cfg.ffn, 1.0 / std::sqrt(cfg.ffn));
         continue;
       }
+    } else if (cfg.is_linear_layer(l)) {  // a Gated DeltaNet layer, as llama.cpp's converter writes Qwen3.5
+      const LinearAttnConfig& la = cfg.linear;
+      const int ch = la.conv_channels(), vd = la.n_v_heads * la.v_dim, nv = la.n_v_heads;
+      matrix(p + "attn_qkv.weight", ch, H, 1.0 / std::sqrt(H));
+      matrix(p + "attn_gate.weight", vd, H, 1.0 / std::sqrt(H));
+      // The conv kernel stays f32 (llama.cpp's ssm_conv takes f32; llama-quantize leaves it).
+      std::vector<float> conv = uniform(static_cast<size_t>(ch) * la.conv_kernel, 1.0 / std::sqrt(la.conv_kernel), 0.0);
+      w.AddTensor(p + "ssm_conv1d.weight", GgmlType::kF32,
+                  {static_cast<uint64_t>(la.conv_kernel), static_cast<uint64_t>(ch)},
+                  EncodeFromF32(conv.data(), conv.size(), GgmlType::kF32));
+      vec(p + "ssm_dt.bias", nv, 0.5, -1.0);
+      // ssm_a = −exp(A_log), A_log in [−3, 0]: per-token decays e^g between about 0.75 and 0.99.
+      std::vector<float> a = uniform(static_cast<size_t>(nv), 0.866, -1.5);
+      for (float& e : a) e = -std::exp(e);
+      w.AddTensor(p + "ssm_a", GgmlType::kF32, {static_cast<uint64_t>(nv)},
+                  EncodeFromF32(a.data(), a.size(), GgmlType::kF32));
+      matrix(p + "ssm_beta.weight", nv, H, 1.0 / std::sqrt(H));
+      matrix(p + "ssm_alpha.weight", nv, H, 1.0 / std::sqrt(H));
+      vec(p + "ssm_norm.weight", la.v_dim, 0.1, 1.0);
+      matrix(p + "ssm_out.weight", H, vd, 1.0 / std::sqrt(vd));
+      vec(cfg.FfnNormName(l), H, 0.1, 1.0);
     } else {
       matrix(p + "attn_q.weight", q_rows, H, 1.0 / std::sqrt(H));
       matrix(p + "attn_k.weight", cfg.kv_dim(), H, 1.0 / std::sqrt(H));
@@ -103,7 +124,7 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
       }
       if (cfg.attention_sinks) vec(p + "attn_sinks.weight", cfg.n_heads, 1.0, 0.0);
       matrix(p + "attn_output.weight", H, cfg.q_dim(), 1.0 / std::sqrt(cfg.q_dim()));
-      vec(p + "ffn_norm.weight", H, 0.1, 1.0);
+      vec(cfg.FfnNormName(l), H, 0.1, 1.0);
     }
     if (cfg.is_moe_block(l)) {  // stacked experts, as llama.cpp's converters write them
       const MoeConfig& m = cfg.moe;

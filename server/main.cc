@@ -181,6 +181,7 @@ struct Flags {
   int http_threads = 16;
   double http_session_ttl = 3600;
   int threads = 0, block_size = 16, max_batched = 512, max_seqs = 64, max_model_len = 0, default_max_tokens = 256;
+  int state_slots = 0;
   int max_waiting = 1024;
   double drain_grace = 30;
   bool no_prefix_caching = false;
@@ -226,6 +227,11 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--kv-cache-bytes", f.kv_bytes,
                  "KV cache budget, e.g. 512MiB (default: a quarter of available memory after the weights, at most 8 "
                  "GiB and 256 full contexts)");
+  app.add_option(
+         "--state-slots", f.state_slots,
+         "per-sequence state slots for models with Gated DeltaNet layers (qwen35), from the KV budget (default: "
+         "up to half of it, 1..64 slots; each running request and resident session holds one)")
+      ->check(CLI::Range(0, 65536));
   app.add_option("--block-size", f.block_size, "tokens per KV block")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
@@ -302,6 +308,7 @@ qkv::StatusOr<qkv::ModelOptions> ModelOptionsFrom(const Flags& f) {
   mo.max_batch_tokens = f.max_batched;
   mo.max_context = f.max_model_len;
   mo.block_size = f.block_size;
+  mo.state_slots = f.state_slots;
   mo.kv_cache_bytes = qkv::ModelOptions::kAutoKvBytes;
   if (!f.kv_bytes.empty()) {
     auto b = qkv::ParseByteSize(f.kv_bytes);

@@ -14,9 +14,9 @@
 namespace qkv::server {
 
 struct MemoryBreakdown {
-  int64_t weights = 0, kv_arena = 0, scratch = 0, heap = 0, other = 0;
+  int64_t weights = 0, kv_arena = 0, state = 0, scratch = 0, heap = 0, other = 0;
   int64_t rss = 0;
-  int64_t sum() const { return weights + kv_arena + scratch + heap + other; }
+  int64_t sum() const { return weights + kv_arena + state + scratch + heap + other; }
 };
 
 MemoryBreakdown MeasureMemory(const Model& model);

@@ -90,6 +90,12 @@ class EngineCollectable final : public prometheus::Collectable {
           "layers x ((kv_lora_rank + rope dims) x bytes + 2 x 2 for int8's scales)",
           {{"", d(bpt)}});
     gauge("qkvserve_kv_block_size_tokens", "tokens per KV block", {{"", d(s.block_size)}});
+    gauge("qkvserve_state_slots",
+          "per-sequence state slots (Gated DeltaNet layers' conv window and matrices): used (by running requests "
+          "and resident sessions) or free; both 0 for models without such layers",
+          {{"used", d(s.state_slots_used)}, {"free", d(s.state_slots_free)}}, "state");
+    gauge("qkvserve_state_bytes_per_sequence", "f32 bytes of state one sequence holds, whatever its length",
+          {{"", d(s.state_bytes_per_slot)}});
     counter("qkvserve_prefix_cache_queries_tokens_total", "prompt tokens looked up in the prefix cache",
             {{"", d(s.prefix_queries_tokens)}});
     counter("qkvserve_prefix_cache_hits_tokens_total", "prompt tokens found in the prefix cache",
@@ -152,6 +158,7 @@ class EngineCollectable final : public prometheus::Collectable {
     gauge("qkvserve_memory_bytes", "resident memory by owner",
           {{"weights", d(mem.weights)},
            {"kv_arena", d(mem.kv_arena)},
+           {"state", d(mem.state)},
            {"scratch", d(mem.scratch)},
            {"heap", d(mem.heap)},
            {"other", d(mem.other)}},

@@ -626,6 +626,9 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_rope_scaling_factor(c.rope_factor);
   resp->set_rope_original_context(c.rope_scaling == RopeScaling::kNone ? 0 : c.Rope().orig_ctx);
   resp->set_kv_bytes_per_token(m.cache_layout().tokens.bytes_per_token());
+  resp->set_linear_attention_layers(c.n_layers - c.n_attention_layers());
+  resp->set_state_bytes_per_sequence(m.cache_layout().state_bytes_per_seq);
+  resp->set_state_slots(m.cache_layout().state_slots);
   resp->set_context_length(m.max_context());
   const EngineStats s = engine_.Stats();
   resp->set_kv_cache_tokens(s.tokens_capacity);
@@ -692,6 +695,9 @@ grpc::ServerUnaryReactor* InferenceService::GetStats(grpc::CallbackServerContext
   r->set_memory_heap_bytes(mem.heap);
   r->set_memory_other_bytes(mem.other);
   r->set_resident_memory_bytes(mem.rss);
+  r->set_memory_state_bytes(mem.state);
+  r->set_state_slots_used(s.state_slots_used);
+  r->set_state_slots_free(s.state_slots_free);
   const size_t top = req->top_sessions() > 0 ? static_cast<size_t>(req->top_sessions()) : 10;
   auto* reactor = ctx->DefaultReactor();
   engine_.ListSessions(*ns, [reactor, r, top](std::vector<SessionInfo> mine) {

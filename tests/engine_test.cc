@@ -90,6 +90,8 @@ class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
 
   ModelConfig cfg_;
   std::unique_ptr<Model> model_;
+  // Whether the model's layers keep per-sequence state (Gated DeltaNet), which a context cut short loses.
+  bool keeps_state() const { return cfg_.StateBytesPerSeq() > 0; }
   std::unique_ptr<Engine> engine_;
 };
 
@@ -117,10 +119,15 @@ TEST_P(EngineTest, BatchInvariance) {
     ASSERT_EQ(together.logprobs.size(), alone.logprobs.size());
     EXPECT_EQ(0, std::memcmp(together.logprobs.data(), alone.logprobs.data(), alone.logprobs.size() * sizeof(float)))
         << others << " others";
-    EXPECT_GT(together.final.usage.cached_tokens, 0) << "the second run should hit the prefix cache";
+    // Cached blocks hold K/V but not the state after them: a hybrid model recomputes its prefixes.
+    if (!keeps_state()) {
+      EXPECT_GT(together.final.usage.cached_tokens, 0) << "the second run should hit the prefix cache";
+    }
   }
   EXPECT_EQ(engine_->CheckConsistency(), "");
-  EXPECT_GT(engine_->Stats().prefix_hits_tokens, 0u);
+  if (!keeps_state()) {
+    EXPECT_GT(engine_->Stats().prefix_hits_tokens, 0u);
+  }
 }
 
 // A session's TTL must leave now + ttl representable: infinite, NaN, negative and absurd values are refused
@@ -185,8 +192,13 @@ TEST_P(EngineTest, CancelledTurnLeavesTheSessionAsItWas) {
   auto after = engine_->GetSession("", "s", true);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->tokens, before->tokens);
-  // Positions the turn computed for history tokens stay valid (same bits as before), so KV can only grow.
-  EXPECT_GE(after->n_cached_tokens, before->n_cached_tokens);
+  // Positions the turn computed for history tokens stay valid (same bits as before), so KV can only grow;
+  // state summarizes every token the turn computed, so a model that keeps state recomputes the session.
+  if (keeps_state()) {
+    EXPECT_EQ(after->n_cached_tokens, 0);
+  } else {
+    EXPECT_GE(after->n_cached_tokens, before->n_cached_tokens);
+  }
   EXPECT_LE(after->n_cached_tokens, after->n_tokens);
   // The next turn behaves as if the cancelled one never happened.
   std::vector<int> full = before->tokens;
@@ -421,7 +433,9 @@ TEST_P(EngineTest, NamespacesIsolateSessionsAndPrefixes) {
   p.ns = "bob";
   EXPECT_EQ(Run(p).final.usage.cached_tokens, 0);  // alice's prefix is invisible to bob
   p.ns = "alice";
-  EXPECT_GT(Run(p).final.usage.cached_tokens, 0);
+  if (!keeps_state()) {  // (hybrid models recompute prefixes)
+    EXPECT_GT(Run(p).final.usage.cached_tokens, 0);
+  }
   EXPECT_EQ(engine_->ListSessions("alice").size(), 1u);
 }
 
@@ -621,7 +635,8 @@ TEST_P(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kv, EngineTest,
-                         ::testing::Combine(::testing::Values(Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe),
+                         ::testing::Combine(::testing::Values(Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe,
+                                                              Arch::kQwen35),
                                             ::testing::Values(DType::kBF16, DType::kI8)),
                          [](const auto& info) {
                            const Arch a = std::get<0>(info.param);

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -29,6 +30,15 @@ std::map<const Model*, TestCache>& Caches() {
 
 KvBlockPool& PoolFor(Model& m) { return *Caches().at(&m).pool; }
 CacheStores& CacheFor(Model& m) { return *Caches().at(&m).stores; }
+// Blocks for n tokens and (for models that keep state) a state slot; the release gives both back.
+Status ReserveAll(Model& m, SeqKv& seq, int n) {
+  QKV_RETURN_IF_ERROR(ReserveBlocks(seq, n, m.options().block_size, PoolFor(m)));
+  return ReserveStateSlot(seq, CacheFor(m).states());
+}
+void ReleaseAll(Model& m, SeqKv& seq) {
+  ReleaseBlocks(seq, PoolFor(m));
+  ReleaseStateSlot(seq, CacheFor(m).states());
+}
 
 std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batch = 256, int64_t blocks = 0) {
   ModelOptions mo;
@@ -50,8 +60,7 @@ std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batc
 
 // Appends tokens to seq in chunks of `chunk`; returns the logits of every position (all_logits) or the last.
 std::vector<float> Feed(Model& m, SeqKv& seq, const std::vector<int>& tokens, bool all, int chunk = 1 << 30) {
-  EXPECT_TRUE(
-      ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, PoolFor(m)).ok());
+  EXPECT_TRUE(ReserveAll(m, seq, seq.n_tokens + static_cast<int>(tokens.size())).ok());
   std::vector<float> out;
   const int V = m.config().vocab;
   for (size_t i = 0; i < tokens.size(); i += chunk) {
@@ -95,7 +104,7 @@ void CacheMatchesRecompute(Arch arch, DType kv) {
   for (int step = 0; step < 64; ++step) {
     SeqKv fresh;
     std::vector<float> lf = Feed(*m, fresh, toks, false);
-    ReleaseBlocks(fresh, PoolFor(*m));
+    ReleaseAll(*m, fresh);
     for (int i = 0; i < V; ++i) max_diff = std::max(max_diff, static_cast<double>(std::fabs(lc[i] - lf[i])));
     const int a = ArgMax(lc.data(), V), b = ArgMax(lf.data(), V);
     ASSERT_EQ(a, b) << "step " << step;
@@ -118,7 +127,7 @@ TEST_P(ModelArchTest, Causality) {
   b[29] = (b[29] + 5) % V;
   SeqKv sa, sb;
   auto la = Feed(*m, sa, a, true);
-  ReleaseBlocks(sa, PoolFor(*m));
+  ReleaseAll(*m, sa);
   auto lb = Feed(*m, sb, b, true);
   EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * 20 * V));
   EXPECT_NE(0, std::memcmp(la.data() + 20 * V, lb.data() + 20 * V, sizeof(float) * V));
@@ -133,20 +142,20 @@ void CheckChunkingAndBatches(Model& m, const std::string& what) {
   std::vector<int> p = Prompt(150, V);
   SeqKv s1;
   auto whole = Feed(m, s1, p, true);
-  ReleaseBlocks(s1, PoolFor(m));
+  ReleaseAll(m, s1);
   for (int chunk : {1, 7, 64}) {
     SeqKv s2;
     auto parts = Feed(m, s2, p, true, chunk);
-    ReleaseBlocks(s2, PoolFor(m));
+    ReleaseAll(m, s2);
     ASSERT_EQ(whole.size(), parts.size());
     EXPECT_EQ(0, std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float))) << what << " chunk " << chunk;
   }
   // The same prompt in a batch with two other sequences of different lengths.
   SeqKv x, y, z;
   std::vector<int> px = Prompt(33, V, 1), pz = Prompt(5, V, 2);
-  ASSERT_TRUE(ReserveBlocks(x, 33, m.options().block_size, PoolFor(m)).ok());
-  ASSERT_TRUE(ReserveBlocks(y, 150, m.options().block_size, PoolFor(m)).ok());
-  ASSERT_TRUE(ReserveBlocks(z, 5, m.options().block_size, PoolFor(m)).ok());
+  ASSERT_TRUE(ReserveAll(m, x, 33).ok());
+  ASSERT_TRUE(ReserveAll(m, y, 150).ok());
+  ASSERT_TRUE(ReserveAll(m, z, 5).ok());
   BatchChunk b[3] = {{&x, px, false}, {&y, std::span<const int>(p.data(), 100), true}, {&z, pz, true}};
   ASSERT_TRUE(m.Forward(b, CacheFor(m)).ok());
   std::vector<float> got(m.logits() + V, m.logits() + 101 * static_cast<size_t>(V));
@@ -156,9 +165,9 @@ void CheckChunkingAndBatches(Model& m, const std::string& what) {
   got.insert(got.end(), m.logits() + V, m.logits() + 51 * static_cast<size_t>(V));
   ASSERT_EQ(got.size(), whole.size());
   EXPECT_EQ(0, std::memcmp(whole.data(), got.data(), whole.size() * sizeof(float))) << what;
-  ReleaseBlocks(x, PoolFor(m));
-  ReleaseBlocks(y, PoolFor(m));
-  ReleaseBlocks(z, PoolFor(m));
+  ReleaseAll(m, x);
+  ReleaseAll(m, y);
+  ReleaseAll(m, z);
 }
 
 TEST_P(ModelArchTest, ChunkingAndBatchCompositionDoNotChangeBits) {
@@ -216,7 +225,8 @@ TEST(Model, DeepseekExpertsKeepTheSameBits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest,
-                         ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe),
+                         ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe,
+                                           Arch::kQwen35),
                          [](const auto& info) { return std::string(ArchName(info.param)); });
 
 // V is never rotated: in layer 0 the value of a token depends only on the token, so the same token at
@@ -238,6 +248,83 @@ TEST(Model, LayerKindsAndOneCacheAccounting) {
   EXPECT_EQ(spec.bytes_per_token, m->cache_layout().tokens.bytes_per_token());
   EXPECT_EQ(spec.state_bytes_per_seq, 0);
   EXPECT_EQ(FindLayerKind("no_such_kind").status().code(), StatusCode::kInternal);
+}
+
+// qwen35: Gated DeltaNet layers keep only per-sequence state (no K/V per token), the attention layers get the
+// arena's layers in order, and the state slots share the KV budget (up to half of it) unless a count is given.
+TEST(Model, HybridLayerKindsStateAndBudget) {
+  ModelConfig cfg = testing::SmallConfig(Arch::kQwen35);
+  cfg.n_layers = 4;
+  cfg.recurrent = {true, true, false, true};
+  const std::string path = testing::WriteModel(cfg, "hybrid_kinds", 4);
+  auto m = Load(path, DType::kBF16, DType::kBF16);
+  ASSERT_TRUE(m);
+  const char* kinds[] = {"gated_deltanet", "gated_deltanet", "gqa_attention", "gated_deltanet"};
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(m->layers()[2 * l]->kind(), kinds[l]);
+  const CacheSpec spec = m->cache_spec();
+  EXPECT_EQ(spec.bytes_per_token, int64_t{2} * cfg.n_kv_heads * cfg.head_dim * 2);  // one attention layer, bf16
+  EXPECT_EQ(m->cache_layout().tokens.n_layers, 1);
+  EXPECT_EQ(spec.state_bytes_per_seq, 3 * cfg.linear.state_bytes());
+  EXPECT_EQ(spec.state_bytes_per_seq, cfg.StateBytesPerSeq());
+  const int64_t S = spec.state_bytes_per_seq;
+  for (int64_t budget : {int64_t{1} << 20, 10 * S, S}) {
+    ModelOptions mo;
+    mo.kv_cache_bytes = budget;
+    auto b = Model::Load(path, mo);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    const CacheLayout& l = (*b)->cache_layout();
+    EXPECT_EQ(l.state_slots, std::clamp<int64_t>(budget / 2 / S, 1, 64)) << budget;
+    const int64_t ctx_bytes = (*b)->max_context() * l.tokens.bytes_per_token();
+    EXPECT_LE(l.token_bytes(), std::max(budget - l.state_bytes(), ctx_bytes + l.tokens.bytes_per_block())) << budget;
+    mo.state_slots = 3;
+    auto c = Model::Load(path, mo);
+    ASSERT_TRUE(c.ok());
+    EXPECT_EQ((*c)->cache_layout().state_slots, 3);
+  }
+}
+
+// Hugging Face Qwen3.5 names: layer_types or full_attention_interval, the linear head counts and widths; the
+// GGUF keys llama.cpp reads round-trip (an interval when the pattern is one, else per-layer flags), and bad
+// shapes are refused naming the field.
+TEST(Model, Qwen35ConfigFromHfAndGguf) {
+  const std::string base =
+      R"("hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "head_dim": 32, "intermediate_size": 96, "vocab_size": 300, "linear_conv_kernel_dim": 4,
+         "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_num_key_heads": 2)";
+  auto a = ModelConfig::FromHfJson("{" + base + R"(, "linear_num_value_heads": 4, "full_attention_interval": 2})",
+                                   Arch::kQwen35);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->recurrent, (std::vector<bool>{true, false, true, false}));
+  EXPECT_EQ(a->rotary_dim, 8);  // partial_rotary_factor 0.25 by default
+  EXPECT_TRUE(a->attn_output_gate && a->qk_norm);
+  EXPECT_EQ(a->KvBytesPerToken(2), 2 * 2 * 1 * 32 * 2);
+  auto b = ModelConfig::FromHfJson(
+      "{" + base +
+          R"(, "linear_num_value_heads": 6, "layer_types": ["full_attention", "linear_attention", "linear_attention",
+             "full_attention"]})",
+      Arch::kQwen35);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  for (const ModelConfig& c : {*a, *b}) {
+    const std::string path = testing::WriteModel(c, "qwen35_cfg_" + std::to_string(c.linear.n_v_heads));
+    auto f = GgufFile::Open(path);
+    ASSERT_TRUE(f.ok());
+    auto back = ModelConfig::FromGguf(**f);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->recurrent, c.recurrent);
+    EXPECT_EQ(back->linear.n_v_heads, c.linear.n_v_heads);
+    EXPECT_EQ(back->linear.v_dim, c.linear.v_dim);
+    EXPECT_EQ(back->StateBytesPerSeq(), c.StateBytesPerSeq());
+    EXPECT_EQ((*f)->Find("qwen35.full_attention_interval") != nullptr, c.linear.n_v_heads == 4);
+    EXPECT_EQ((*f)->Find("qwen35.attention.recurrent_layers") != nullptr, c.linear.n_v_heads == 6);
+  }
+  auto bad = [&](const std::string& extra, const std::string& field) {
+    auto c = ModelConfig::FromHfJson("{" + base + extra + "}", Arch::kQwen35);
+    ASSERT_FALSE(c.ok()) << extra;
+    EXPECT_NE(c.status().message().find(field), std::string::npos) << c.status().message();
+  };
+  bad(R"(, "linear_num_value_heads": 3)", "linear_num_value_heads");
+  bad(R"(, "linear_num_value_heads": 4, "layer_types": ["linear_attention"])", "layer_types");
+  bad(R"(, "linear_num_value_heads": 4, "full_attention_interval": 5)", "full_attention");
 }
 
 TEST(Model, ValuesAreNotRotated) {

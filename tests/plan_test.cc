@@ -60,6 +60,26 @@ TEST(Plan, HybridOnlyAttentionLayersHoldKv) {
       64 * 1024);
 }
 
+// The reference hybrid shape (Qwen3.5-27B: 48 of 64 layers Gated DeltaNet, 16 key / 48 value heads of 128, a
+// conv of 4): the state is counted in f32 whatever the KV dtype, with the conv window and the open chunk, as
+// the engine allocates it (LinearAttnConfig::state_bytes): 144 MiB of matrices + 5.6 MiB of windows + 24.1 MiB
+// of open chunk per sequence.
+TEST(Plan, HybridStateIsF32WithTheConvWindow) {
+  const std::string cfg =
+      R"({"num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+          "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_num_key_heads": 16,
+          "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128})";
+  const int64_t per_layer = 4 * (3 * (2 * 16 * 128 + 48 * 128) + 48 * 128 * 128 + 16 * (16 * 128 + 48 * 129));
+  for (KvElement e : {KvElement{2, 0}, KvElement{1, 2}, KvElement{4, 0}}) {
+    auto p = PlanCapacity(cfg, 64ll << 30, 4096, e);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->linear_layers, 48);
+    EXPECT_EQ(p->linear_state_bytes, 48 * per_layer);
+    EXPECT_EQ(p->bytes_per_session, p->kv_bytes_per_token * 4096 + 48 * per_layer);
+  }
+  EXPECT_EQ(48 * per_layer, 182206464);
+}
+
 TEST(Plan, SlidingLayersAreCappedAtTheWindow) {
   auto p = PlanCapacity(R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
     "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]})",

@@ -43,6 +43,12 @@ ModelConfig SmallConfig(Arch arch) {
     c.moe.expert_ffn = 48;
     c.moe.norm_weights = true;
   }
+  if (arch == Arch::kQwen35) {  // a Gated DeltaNet layer, then gated attention with q/k norms and partial rotary
+    c.recurrent = {true, false};
+    c.linear = {/*conv_kernel=*/4, /*n_k_heads=*/2, /*n_v_heads=*/4, /*k_dim=*/16, /*v_dim=*/12};
+    c.attn_output_gate = c.qk_norm = true;
+    c.rotary_dim = 8;
+  }
   if (arch == Arch::kDeepseek2) {  // MLA: a latent of 32 and a rope key of 16 per token and layer
     c.mla = {/*q_lora_rank=*/24, /*kv_lora_rank=*/32, /*qk_nope_dim=*/16, /*v_head_dim=*/12, false};
     c.n_kv_heads = 1;

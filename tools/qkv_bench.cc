@@ -134,6 +134,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
       return 1;
     }
+    if (auto s = qkv::ReserveStateSlot(seq, (*cache)->states()); !s.ok()) {
+      std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
     m.set_profiling(profile);
     auto t0 = Clock::now();
     qkv::BatchChunk ch{&seq, tokens, false};
@@ -163,6 +167,7 @@ int main(int argc, char** argv) {
       decode_prof = m.profile();
     }
     qkv::ReleaseBlocks(seq, pool);
+    qkv::ReleaseStateSlot(seq, (*cache)->states());
   }
   const double bw = MeasureBandwidth(threads);
   const double prefill_tps = prompt / best_prefill;

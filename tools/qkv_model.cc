@@ -1,6 +1,6 @@
 // qkv-model: make and inspect model files.
-//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3|qwen3moe|deepseek2] [--dtype
-//   TYPE|PRESET]
+//   qkv-model random --config CONFIG.json --out MODEL.gguf [--arch llama|qwen2|qwen3|qwen3moe|qwen35|deepseek2]
+//   [--dtype TYPE|PRESET]
 //   [--seed N] qkv-model quantize IN.gguf OUT.gguf --type PRESET [--threads N] [--quiet] qkv-model info MODEL.gguf
 //   qkv-model dequant MODEL.gguf --tensor NAME --out FILE
 //   qkv-model tokenize (--model MODEL.gguf | --tokenizer tokenizer.json) [--decode] [--parse-special] [--add-special]
@@ -249,7 +249,8 @@ int main(int argc, char** argv) {
   random
       ->add_option(
           "--arch", arch,
-          "architecture: llama, qwen2, qwen3, qwen3moe or deepseek2 (MLA and experts; DeepSeek-V2/V3 config names)")
+          "architecture: llama, qwen2, qwen3, qwen3moe, qwen35 (Gated DeltaNet hybrid; Qwen3.5 config names) or "
+          "deepseek2 (MLA and experts; DeepSeek-V2/V3 config names)")
       ->capture_default_str();
   random
       ->add_option("--dtype", dtype,

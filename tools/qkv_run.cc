@@ -48,6 +48,7 @@ qkv::Status Prefill(qkv::Model& m, qkv::CacheStores& cache, qkv::KvBlockPool& po
   const int vocab = m.config().vocab;
   QKV_RETURN_IF_ERROR(
       qkv::ReserveBlocks(seq, seq.n_tokens + static_cast<int>(tokens.size()), m.options().block_size, pool));
+  QKV_RETURN_IF_ERROR(qkv::ReserveStateSlot(seq, cache.states()));
   for (size_t i = 0; i < tokens.size(); i += bs) {
     const size_t n = std::min<size_t>(bs, tokens.size() - i);
     qkv::BatchChunk ch{&seq, std::span<const int>(tokens.data() + i, n), all_logits};
@@ -200,6 +201,7 @@ int main(int argc, char** argv) {
     if (step.finish != qkv::FinishReason::kNone) break;
     if (no_cache) {
       qkv::ReleaseBlocks(seq, pool);
+      qkv::ReleaseStateSlot(seq, cache.states());  // recompute from scratch: the state starts at zero too
       s = Prefill(m, cache, pool, seq, all, false, nullptr);
     } else {
       s = Prefill(m, cache, pool, seq, {step.token}, false, nullptr);

@@ -32,7 +32,7 @@ StatusOr<std::unique_ptr<Layer>> DenseSwiGlu::Make(const LayerInit& in) {
   L->eps_ = static_cast<float>(c.rms_eps);
   const auto H = static_cast<uint64_t>(c.hidden), F = static_cast<uint64_t>(c.ffn);
   const std::string p = "blk." + std::to_string(in.block) + ".";
-  QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, p + "ffn_norm.weight", {H}));
+  QKV_ASSIGN_OR_RETURN(L->norm_, ReadTensor(in.file, c.FfnNormName(in.block), {H}));
   const int ffn = c.ffn;
   QKV_ASSIGN_OR_RETURN(L->gate_up_, MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized,
                                                {{p + "ffn_gate.weight", F, 0, ffn}, {p + "ffn_up.weight", F, 0, ffn}},

@@ -120,6 +120,7 @@ struct LayerInit {
   bool keep_quantized = true;  // quantized tensors stay in their block formats (WeightsMode auto)
   DType kv_dtype = DType::kBF16;
   int kv_layer = -1;
+  int64_t state_offset = 0;  // (for layers that keep state) where its share of a state slot starts, in bytes
   const RopeTable* rope = nullptr;
   int max_rows = 0;  // rows of one forward pass (the batch limit rounded up to the GEMM tile)
 };

@@ -96,14 +96,26 @@ ds = dict(base, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size
 cfgs["moe_ds2_softmax"] = ds
 cfgs["moe_ds3_sigmoid_groups"] = dict(ds, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
                                       norm_topk_prob=True, routed_scaling_factor=2.5, num_hidden_layers=3)
+# qwen35 hybrids (Gated DeltaNet + gated attention). llama.cpp needs equal key and value head widths; value
+# heads a multiple of key heads (ratio 2 and 3: its tiled head order), intervals 2, 4 and 3, partial rotary.
+hy = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+      "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+      "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+      "linear_num_key_heads": 2, "linear_num_value_heads": 4, "full_attention_interval": 2, "partial_rotary_factor": 0.5}
+cfgs["hybrid_i2"] = hy
+cfgs["hybrid_i4"] = dict(hy, linear_num_key_heads=1, linear_num_value_heads=3, full_attention_interval=4,
+                         partial_rotary_factor=0.25)
+cfgs["hybrid_i3"] = dict(hy, num_hidden_layers=6, linear_num_value_heads=6, full_attention_interval=3,
+                         linear_conv_kernel_dim=3, partial_rotary_factor=1.0)
 for name, c in cfgs.items():
     json.dump(c, open(f"{sys.argv[1]}/{name}.json", "w"))
 PY
 # ...and mixtures of experts the same way: qwen3moe (softmax router, top-k, weights normalized) and
-# deepseek2 with routed and shared experts (softmax; sigmoid with the selection bias, groups and scaling).
+# deepseek2 with routed and shared experts (softmax; sigmoid with the selection bias, groups and scaling); and
+# the qwen35 hybrids (38 positions: two of the Gated DeltaNet layer's 16-token chunks and part of a third).
 for name in mla mla_no_q_lora mla_splits mla_yarn mla_yarn_no_mscale mla_legacy_kv_b moe moe_16x4 moe_ds2_softmax \
-    moe_ds3_sigmoid_groups; do
-  arch=deepseek2; [[ $name == moe* && $name != moe_ds* ]] && arch=qwen3moe
+    moe_ds3_sigmoid_groups hybrid_i2 hybrid_i4 hybrid_i3; do
+  arch=deepseek2; [[ $name == moe* && $name != moe_ds* ]] && arch=qwen3moe; [[ $name == hybrid* ]] && arch=qwen35
   "$bin/qkv-model" random --config "$work/$name.json" --out "$work/$name.gguf" --arch $arch --dtype f32 --seed 5 >/dev/null
   for prompt in "$tokens" "7,7,7,400,3,99,123,64,2,1,0,511,300,17"; do
     ref=$(node "$work/greedy.mjs" "$work/$name.gguf" "a" "$prompt" 24)

@@ -55,6 +55,9 @@ MLA = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_h
 
 DS_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1,
           "first_k_dense_replace": 1}
+HYBRID = {"head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "full_attention_interval": 2,
+          "linear_conv_kernel_dim": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 16, "linear_value_head_dim": 24, "partial_rotary_factor": 0.25}
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 32}
 
 CONFIGS = [
@@ -104,6 +107,18 @@ CONFIGS = [
                                                  n_group=4, topk_group=2, norm_topk_prob=True,
                                                  routed_scaling_factor=2.5, num_hidden_layers=3), "f32"),
     ("moe_ds2_no_shared", "deepseek2", dict(MLA, **dict(DS_MOE, n_shared_experts=0, first_k_dense_replace=0)), "f32"),
+    # qwen35 hybrids (Gated DeltaNet + gated attention): interval 2 and 4, layer_types, other linear head
+    # counts and widths (value heads a multiple of key heads, d_k != d_v), partial rotary; a bf16 file. 48
+    # tokens span three of the layer's 16-token chunks, so commits and open chunks are both compared.
+    ("hybrid_i2", "qwen35", dict(HYBRID), "f32"),
+    ("hybrid_i4", "qwen35", dict(HYBRID, num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=1,
+                                 linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=16,
+                                 partial_rotary_factor=0.5), "f32"),
+    ("hybrid_types", "qwen35", dict(HYBRID, num_hidden_layers=3, full_attention_interval=None,
+                                    layer_types=["full_attention", "linear_attention", "linear_attention"],
+                                    linear_num_key_heads=3, linear_num_value_heads=3, linear_conv_kernel_dim=2,
+                                    partial_rotary_factor=1.0), "f32"),
+    ("hybrid_bf16_file", "qwen35", dict(HYBRID), "bf16"),
 ]
 
 

@@ -112,7 +112,22 @@ class Reference:
         self.rot = g.kv.get(p + "rope.dimension_count", self.hd)
         self.theta = g.kv.get(p + "rope.freq_base", 10000.0)
         self.eps = g.kv.get(p + "attention.layer_norm_rms_epsilon", 1e-6)
-        self.gate = bool(g.kv.get("qkvserve.attention.output_gate", False))
+        self.gate = bool(g.kv.get("qkvserve.attention.output_gate", False)) or arch == "qwen35"
+        # qwen35 (llama.cpp's qwen35.cpp): Gated DeltaNet layers except every full_attention_interval-th
+        # (or as attention.recurrent_layers says), with their own head counts and widths.
+        self.recurrent = [False] * self.n_layers
+        if arch == "qwen35":
+            flags = g.kv.get(p + "attention.recurrent_layers")
+            if flags is not None:
+                self.recurrent = [bool(f) for f in flags][:self.n_layers]
+            else:
+                iv = g.kv.get(p + "full_attention_interval", 4)
+                self.recurrent = [(i + 1) % iv != 0 for i in range(self.n_layers)]
+            self.conv_k = g.kv[p + "ssm.conv_kernel"]
+            self.lk = g.kv[p + "ssm.group_count"]
+            self.lv = g.kv[p + "ssm.time_step_rank"]
+            self.dk = g.kv[p + "ssm.state_size"]
+            self.dv = g.kv[p + "ssm.inner_size"] // self.lv
         # llama.cpp's pairing: interleaved (2i, 2i+1) for llama and deepseek2, halves for qwen2/qwen3.
         self.interleaved = arch in ("llama", "deepseek2")
         # Rope scaling from the file: linear divides every frequency by the factor; YaRN (the YaRN paper,
@@ -135,7 +150,8 @@ class Reference:
             # With bf16 weights every matrix (2-D, or 3-D stacked per head or expert) is rounded, except the
             # MoE router, which qkvserve keeps in f32 (its top-k decides which experts run).
             t = torch.from_numpy(g.tensor(name))
-            rounded = round_weights_bf16 and t.dim() >= 2 and not name.endswith("ffn_gate_inp.weight")
+            rounded = (round_weights_bf16 and t.dim() >= 2 and not name.endswith("ffn_gate_inp.weight")
+                       and not name.endswith("ssm_conv1d.weight"))  # the conv kernel stays f32
             return bf16_round(t) if rounded else t
 
         self.T = T
@@ -193,6 +209,10 @@ class Reference:
                 x = x + self.mla(h, p, pos, mask)
                 x = self.ffn(x, p)
                 continue
+            if self.recurrent[l]:
+                x = x + self.gated_deltanet(h, p)
+                x = self.ffn(x, p)
+                continue
             q = h @ T(p + "attn_q.weight").T
             k = h @ T(p + "attn_k.weight").T
             v = h @ T(p + "attn_v.weight").T
@@ -243,9 +263,47 @@ class Reference:
             return ms(m) / ms(self.mscale_all_dim)
         return ms(1.0)
 
+    def gated_deltanet(self, h, p):
+        """A Gated DeltaNet layer in its plain token-by-token recurrent form (the definition; no chunks):
+        causal depthwise conv (kernel ssm_conv1d, zero history) + SiLU, q and k L2-normalized (x / max(|x|,
+        eps)) with q scaled by 1/sqrt(d_k), beta = sigmoid(b), g = softplus(a + dt_bias) * ssm_a, and per value
+        head h (key head h mod n_k): S = e^g S; S += k (beta (v - S^T k))^T; o = S^T q. Then RMSNorm per head
+        (ssm_norm) times silu(z), and the output projection."""
+        T = self.T
+        n = h.shape[0]
+        nk, nv, dk, dv, K = self.lk, self.lv, self.dk, self.dv, self.conv_k
+        qkv = h @ T(p + "attn_qkv.weight").T
+        z = (h @ T(p + "attn_gate.weight").T).view(n, nv, dv)
+        b = h @ T(p + "ssm_beta.weight").T
+        a = h @ T(p + "ssm_alpha.weight").T
+        w = T(p + "ssm_conv1d.weight")  # [channels, K]
+        ch = qkv.shape[1]
+        padded = torch.cat([torch.zeros(K - 1, ch, dtype=torch.float64), qkv])
+        conv = sum(padded[j:j + n] * w[:, j] for j in range(K))
+        conv = torch.nn.functional.silu(conv)
+        q = conv[:, :nk * dk].reshape(n, nk, dk)
+        k = conv[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
+        v = conv[:, 2 * nk * dk:].reshape(n, nv, dv)
+        q = q / torch.clamp(q.norm(dim=-1, keepdim=True), min=self.eps) / np.sqrt(dk)
+        k = k / torch.clamp(k.norm(dim=-1, keepdim=True), min=self.eps)
+        beta = torch.sigmoid(b)
+        g = torch.nn.functional.softplus(a + T(p + "ssm_dt.bias")) * T(p + "ssm_a")
+        kh = torch.arange(nv) % nk  # llama.cpp's tiled broadcast of key heads over value heads
+        S = torch.zeros(nv, dk, dv, dtype=torch.float64)
+        o = torch.zeros(n, nv, dv, dtype=torch.float64)
+        for t in range(n):
+            S = S * torch.exp(g[t])[:, None, None]
+            kt, qt = k[t, kh], q[t, kh]  # [nv, dk]
+            u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, kt))
+            S = S + kt[:, :, None] * u[:, None, :]
+            o[t] = torch.einsum("hkv,hk->hv", S, qt)
+        o = self.rms(o, T(p + "ssm_norm.weight")) * torch.nn.functional.silu(z)
+        return o.reshape(n, nv * dv) @ T(p + "ssm_out.weight").T
+
     def ffn(self, x, p):
         T = self.T
-        h = self.rms(x, T(p + "ffn_norm.weight"))
+        norm = p + ("post_attention_norm.weight" if self.arch == "qwen35" else "ffn_norm.weight")
+        h = self.rms(x, T(norm))
         if self.g.has(p + "ffn_gate_inp.weight"):
             return x + self.moe(h, p)
         g_ = h @ T(p + "ffn_gate.weight").T
