@@ -43,7 +43,8 @@ Result Drain(const std::shared_ptr<RequestStream>& s) {
 // with copy-on-write, truncation, eviction and preemption must behave the same on all of them.
 class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
  protected:
-  void Start(int64_t kv_blocks = 256, int max_batched = 64, int block_size = 16, bool prefix = true) {
+  void Start(int64_t kv_blocks = 256, int max_batched = 64, int block_size = 16, bool prefix = true,
+             int state_slots = 0) {
     cfg_ = testing::SmallConfig(std::get<0>(GetParam()));
     const std::string path = testing::WriteModel(cfg_, std::string("engine_model_") + ArchName(cfg_.arch), 5);
     ModelOptions mo;
@@ -52,6 +53,7 @@ class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
     mo.kv_blocks = kv_blocks;
     mo.block_size = block_size;
     mo.kv_dtype = std::get<1>(GetParam());
+    mo.state_slots = state_slots;
     auto m = Model::Load(path, mo);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     model_ = std::move(*m);
@@ -419,6 +421,35 @@ TEST_P(EngineTest, CancelledTurnRestoresDroppedHistory) {
   std::vector<int> full = now->tokens;
   full.insert(full.end(), p.begin(), p.end());
   EXPECT_EQ(Run(Greedy(p, 6, "c")).tokens, Run(Greedy(full, 6)).tokens);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
+// With few state slots (a hybrid model), idle sessions' caches are evicted to admit new sequences, and an
+// evicted session's next turn recomputes its history and answers as a fresh request would. Without state
+// slots (other models) the same traffic simply runs.
+TEST_P(EngineTest, StateSlotsEvictIdleSessions) {
+  Start(256, 64, 16, true, /*state_slots=*/2);
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(engine_->CreateSession("", "s" + std::to_string(k), 0, 0, {}).ok());
+    Run(Greedy(Prompt(20 + k, k), 4, "s" + std::to_string(k)));
+  }
+  for (int k = 0; k < 3; ++k) {
+    const std::string sid = "s" + std::to_string(k);
+    auto before = engine_->GetSession("", sid, true);
+    ASSERT_TRUE(before.ok());
+    std::vector<int> full = before->tokens;
+    const std::vector<int> p = Prompt(6, 10 + k);
+    full.insert(full.end(), p.begin(), p.end());
+    EXPECT_EQ(Run(Greedy(p, 5, sid)).tokens, Run(Greedy(full, 5)).tokens) << sid;
+  }
+  const EngineStats st = engine_->Stats();
+  if (keeps_state()) {
+    EXPECT_EQ(st.state_slots_used + st.state_slots_free, 2);
+    EXPECT_LE(st.state_slots_used, 2);
+    EXPECT_GT(st.session_evictions_memory, 0u);
+  } else {
+    EXPECT_EQ(st.state_slots_used + st.state_slots_free, 0);
+  }
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 

@@ -93,6 +93,7 @@ int main(int argc, char** argv) {
   mo.n_threads = threads;
   mo.max_batch_tokens = prompt;
   mo.max_context = prompt + gen + 1;
+  mo.state_slots = 1;  // one sequence
   const auto tl = Clock::now();
   auto loaded = qkv::Model::Load(model, mo);
   if (!loaded.ok()) {
@@ -173,6 +174,15 @@ int main(int argc, char** argv) {
   const double prefill_tps = prompt / best_prefill;
   const double decode_tps = gen / best_decode;
   const double roofline = bw * 1e9 / static_cast<double>(m.weight_bytes_per_token());
+  // What one sequence of this length holds in the cache: K/V per token of the attention layers (blocks
+  // rounded up) plus the fixed state of the Gated DeltaNet layers.
+  const qkv::CacheLayout& cl = m.cache_layout();
+  const int64_t ctx_tokens = (prompt + gen + mo.block_size - 1) / mo.block_size * mo.block_size;
+  std::printf("cache per sequence at %d tokens: KV %.2f MiB (%lld B/token) + state %.2f MiB = %.2f MiB\n", prompt + gen,
+              static_cast<double>(ctx_tokens * cl.tokens.bytes_per_token()) / (1 << 20),
+              static_cast<long long>(cl.tokens.bytes_per_token()),
+              static_cast<double>(cl.state_bytes_per_seq) / (1 << 20),
+              static_cast<double>(ctx_tokens * cl.tokens.bytes_per_token() + cl.state_bytes_per_seq) / (1 << 20));
   std::printf("prefill: %d tokens in %.3f s = %.1f tok/s\n", prompt, best_prefill, prefill_tps);
   std::printf("decode:  %d tokens in %.3f s = %.1f tok/s (%.2f ms/token)\n", gen, best_decode, decode_tps,
               1e3 * best_decode / gen);

@@ -119,8 +119,16 @@ int Info(const std::string& path) {
   }
   std::cout << " tensors)\n"
             << "kv bytes/token:    " << cfg->KvBytesPerToken(2) << " (bf16), " << cfg->KvBytesPerToken(4) << " (f32), "
-            << cfg->KvBytesPerToken(1, 2) << " (int8)\n"
+            << cfg->KvBytesPerToken(1, 2) << " (int8)"
+            << (cfg->is_hybrid() ? " in " + std::to_string(cfg->n_attention_layers()) + " attention layers" : "")
+            << "\n"
             << "context length:    " << cfg->context_length << "\n";
+  if (cfg->is_hybrid()) {
+    std::cout << "state/sequence:    " << cfg->StateBytesPerSeq() << " bytes f32 in "
+              << cfg->n_layers - cfg->n_attention_layers() << " Gated DeltaNet layers (conv window, "
+              << cfg->linear.n_v_heads << " x " << cfg->linear.k_dim << " x " << cfg->linear.v_dim
+              << " matrices, the open " << qkv::kDeltaNetChunk << "-token chunk), whatever the length\n";
+  }
   auto tok = qkv::LoadTokenizerFromGguf(**f);
   if (tok.ok()) {
     std::cout << "tokenizer:         " << (*f)->GetStringOr("tokenizer.ggml.model", "?") << "/"

@@ -37,6 +37,9 @@ TMP = tempfile.mkdtemp(prefix="qkvint")
 MLA = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
 # and for a small mixture of experts (make_model(arch="qwen3moe")): 8 experts of 32, 2 per token.
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# and for a small hybrid (make_model(arch="qwen35", extra=HYBRID)): Gated DeltaNet in layer 0, attention in 1.
+HYBRID = {"full_attention_interval": 2, "linear_conv_kernel_dim": 4, "linear_num_key_heads": 2,
+          "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "head_dim": 16}
 
 
 def make_model(name="model", arch="llama", vocab=512, ctx=256, seed=3, chat_stop=(), extra=None):

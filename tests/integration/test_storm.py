@@ -12,7 +12,7 @@ import unittest
 
 import grpc
 
-from harness import Server, make_model, pb, rpc
+from harness import HYBRID, Server, make_model, pb, rpc
 
 
 def rss_bytes(pid):
@@ -26,9 +26,14 @@ def rss_bytes(pid):
 class StormTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        # QKV_STORM_KV: the KV cache dtype (ctest runs the storm on bf16 and, as integration_storm_int8, on int8).
+        # QKV_STORM_KV: the KV cache dtype (ctest runs the storm on bf16 and, as integration_storm_int8, on int8);
+        # QKV_STORM_ARCH=qwen35: a hybrid model, whose requests and sessions also hold state slots
+        # (integration_storm_hybrid).
+        arch = os.environ.get("QKV_STORM_ARCH", "llama")
+        extra = HYBRID if arch == "qwen35" else None
         cls.s = Server("--threads", "1", "--debug-accounting", "--max-waiting", "512", "--kv-cache-bytes", "16MiB",
-                       "--kv-dtype", os.environ.get("QKV_STORM_KV", "bf16"), model=make_model("storm", vocab=512))
+                       "--kv-dtype", os.environ.get("QKV_STORM_KV", "bf16"),
+                       model=make_model("storm_" + arch, arch=arch, vocab=512, extra=extra))
 
     @classmethod
     def tearDownClass(cls):
@@ -190,6 +195,7 @@ class StormTest(unittest.TestCase):
         self.assertEqual(m['qkvserve_sessions{state="resident"}'] + m['qkvserve_sessions{state="evicted"}'], 0,
                          "sessions left after every one was closed")
         self.assertEqual(s.accounting(), "")
+        self.assertEqual(m.get('qkvserve_state_slots{state="used"}', 0), 0, "a state slot leaked")
         rss_after = rss_bytes(s.proc.pid)
         growth = (rss_after - rss_before) / rss_before
         print(f"storm: ends {ends}; {took:.1f} s; RSS {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB "
