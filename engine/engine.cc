@@ -878,6 +878,8 @@ void Engine::PublishStats() {
   s.state_slots_used = states.used_slots();
   s.state_slots_free = states.free_slots();
   s.state_bytes_per_slot = states.bytes_per_slot();
+  s.state_snapshots = scheduler_.n_snapshots();
+  s.state_snapshot_slots = scheduler_.cache().snapshots().n_slots();
   s.expert_tokens = model_.ExpertTokens();
   s.tokens_capacity = s.blocks_total * B;
   // Token slots holding K/V: per used block, the most positions any owner has filled in it.
@@ -970,7 +972,7 @@ std::string Engine::CheckConsistency() {
     if (owned != states.used_slots()) {
       return std::to_string(states.used_slots()) + " state slots in use but " + std::to_string(owned) + " owned";
     }
-    return std::string();
+    return scheduler_.CheckSnapshots();
   });
 }
 

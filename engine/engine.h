@@ -99,6 +99,8 @@ struct EngineStats {
   int64_t tokens_capacity = 0, tokens_used = 0, slack_tokens = 0;
   // Per-sequence state slots (models with Gated DeltaNet layers; else 0): in use, free, bytes of one.
   int64_t state_slots_used = 0, state_slots_free = 0, state_bytes_per_slot = 0;
+  // Prefix caching of such models: states kept at block boundaries, and room for how many.
+  int64_t state_snapshots = 0, state_snapshot_slots = 0;
   int64_t sessions_resident = 0, sessions_evicted = 0, session_kv_bytes = 0;
   int64_t requests_running = 0, requests_waiting = 0;
   uint64_t preemptions = 0;

@@ -76,15 +76,16 @@ void ReleaseStateSlot(SeqKv& seq, StateStore& st) {
 }
 
 StatusOr<std::unique_ptr<CacheStores>> CacheStores::Create(const CacheLayout& layout) {
-  if (layout.state_bytes_per_seq < 0 || layout.state_slots < 0 ||
+  if (layout.state_bytes_per_seq < 0 || layout.state_slots < 0 || layout.snapshot_slots < 0 ||
       (layout.state_bytes_per_seq > 0 && layout.state_slots == 0)) {
     return InvalidArgument("cache: state slots must be positive when layers keep state");
   }
   auto c = std::unique_ptr<CacheStores>(new CacheStores());
   c->layout_ = layout;
   QKV_ASSIGN_OR_RETURN(c->tokens_, KvCache::Create(layout.tokens));
-  c->states_ =
-      std::make_unique<StateStore>(layout.state_bytes_per_seq > 0 ? layout.state_slots : 0, layout.state_bytes_per_seq);
+  const bool state = layout.state_bytes_per_seq > 0;
+  c->states_ = std::make_unique<StateStore>(state ? layout.state_slots : 0, layout.state_bytes_per_seq);
+  c->snapshots_ = std::make_unique<StateStore>(state ? layout.snapshot_slots : 0, layout.state_bytes_per_seq);
   return c;
 }
 

@@ -119,9 +119,11 @@ struct CacheLayout {
   KvCacheShape tokens;
   int64_t state_bytes_per_seq = 0;  // 0: no layer keeps per-sequence state
   int state_slots = 0;
+  // Slots holding copies of a state at a block boundary (prefix caching for models that keep state).
+  int snapshot_slots = 0;
   int64_t bytes() const { return token_bytes() + state_bytes(); }
   int64_t token_bytes() const { return tokens.bytes_per_block() * tokens.n_blocks; }  // the KV arena
-  int64_t state_bytes() const { return state_bytes_per_seq * state_slots; }
+  int64_t state_bytes() const { return state_bytes_per_seq * (state_slots + snapshot_slots); }
 };
 
 // Every store of one model's cache. Owned by the scheduler (which hands out blocks and slots); the
@@ -134,14 +136,17 @@ class CacheStores {
   const KvCache& tokens() const { return *tokens_; }
   StateStore& states() { return *states_; }
   const StateStore& states() const { return *states_; }
-  // Bytes of all stores (the KV arena and the state slots).
-  int64_t bytes() const { return tokens_->arena_bytes() + states_->bytes(); }
+  StateStore& snapshots() { return *snapshots_; }
+  const StateStore& snapshots() const { return *snapshots_; }
+  // Bytes of all stores (the KV arena, the state slots and the snapshots).
+  int64_t bytes() const { return tokens_->arena_bytes() + states_->bytes() + snapshots_->bytes(); }
 
  private:
   CacheStores() = default;
   CacheLayout layout_;
   std::unique_ptr<KvCache> tokens_;
   std::unique_ptr<StateStore> states_;
+  std::unique_ptr<StateStore> snapshots_;
 };
 
 }  // namespace qkv

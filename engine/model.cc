@@ -123,6 +123,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     slots = opt.state_slots > 0 ? opt.state_slots
                                 : static_cast<int>(std::clamp<int64_t>((2ll << 30) / state_bytes, 1, kMaxDefaultSlots));
   }
+  // Prefix caching keeps copies of states at block boundaries (Scheduler): a quarter as many as the slots.
+  auto snapshots_for = [](int n) { return n / 4; };
   if (opt.kv_blocks > 0) {
     ks.n_blocks = opt.kv_blocks;
   } else if (opt.kv_cache_bytes > 0 || opt.kv_cache_bytes == ModelOptions::kAutoKvBytes) {
@@ -138,7 +140,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
       if (opt.state_slots <= 0) {
         slots = static_cast<int>(std::clamp<int64_t>(budget / 2 / state_bytes, 1, kMaxDefaultSlots));
       }
-      budget = std::max<int64_t>(budget - slots * state_bytes, 0);
+      budget = std::max<int64_t>(budget - (slots + snapshots_for(slots)) * state_bytes, 0);
     }
     ks.n_blocks = std::max(budget / ks.bytes_per_block(), ctx_blocks);
   } else {
@@ -158,10 +160,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   m->layout_.tokens = ks;
   m->layout_.state_bytes_per_seq = state_bytes;
   m->layout_.state_slots = slots;
+  m->layout_.snapshot_slots = snapshots_for(slots);
   if (state_bytes > 0) {
-    spdlog::info("state: {} slots of {:.2f} MiB ({} Gated DeltaNet layers), {:.1f} MiB", slots,
-                 static_cast<double>(state_bytes) / (1 << 20), c.n_layers - c.n_attention_layers(),
-                 static_cast<double>(m->layout_.state_bytes()) / (1 << 20));
+    spdlog::info("state: {} slots + {} prefix snapshots of {:.2f} MiB ({} Gated DeltaNet layers), {:.1f} MiB", slots,
+                 m->layout_.snapshot_slots, static_cast<double>(state_bytes) / (1 << 20),
+                 c.n_layers - c.n_attention_layers(), static_cast<double>(m->layout_.state_bytes()) / (1 << 20));
   }
   spdlog::info("kv cache: {} blocks of {} tokens = {} tokens, {:.1f} MiB ({} per token, {})", ks.n_blocks,
                ks.block_size, ks.n_blocks * ks.block_size, static_cast<double>(m->layout_.token_bytes()) / (1 << 20),

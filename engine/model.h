@@ -41,7 +41,8 @@ struct ModelOptions {
   int64_t kv_cache_bytes = 0;
   static constexpr int64_t kAutoKvBytes = -1;
   // Per-sequence state slots, for models whose layers keep state (Gated DeltaNet); 0: from the budget (up to
-  // half of kv_cache_bytes, 1..64 slots; without a byte budget 64 or as many as 2 GiB hold). Model::Load.
+  // half of kv_cache_bytes, 1..64 slots; without a byte budget 64 or as many as 2 GiB hold). A quarter as many
+  // snapshot slots (prefix caching) come on top, inside the budget. Model::Load.
   int state_slots = 0;
 };
 

@@ -45,8 +45,11 @@ void Scheduler::Truncate(CachedTokens& ctx, int n) {
 }
 
 int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns) {
-  // Cached blocks hold K/V, not the state after them: a model that keeps state recomputes its prefix.
-  if (!opt_.prefix_caching || cache_->layout().state_bytes_per_seq > 0) return 0;
+  if (!opt_.prefix_caching) return 0;
+  // Cached blocks hold K/V, not the state after them: a model that keeps state reuses them only up to a
+  // block whose state was snapshotted.
+  const bool state = cache_->layout().state_bytes_per_seq > 0;
+  if (state && (snapshots_.empty() || !cache_->states().in_use(ctx.kv.state_slot))) return 0;
   const int B = pool_.block_size();
   SeqKv& kv = ctx.kv;
   if (kv.n_tokens % B != 0 || kv.blocks.size() != static_cast<size_t>(kv.n_tokens / B) ||
@@ -55,20 +58,85 @@ int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns) {
   }
   // Leave at least one token to compute: its logits are needed to sample.
   const int max_full = (static_cast<int>(ctx.tokens.size()) - 1) / B;
-  int reused = 0;
+  std::vector<std::pair<int, uint64_t>> found;  // (block, hash) of the cached blocks that continue ctx
+  size_t take = 0;                              // how many of them to take
+  Snapshot* snap = nullptr;
   for (int i = static_cast<int>(kv.blocks.size()); i < max_full; ++i) {
-    const uint64_t parent = i ? ctx.hashes[i - 1] : 0;
+    const uint64_t parent = i ? (found.empty() ? ctx.hashes[i - 1] : found.back().second) : 0;
     const std::span<const int> toks(ctx.tokens.data() + static_cast<size_t>(i) * B, B);
     const uint64_t h = KvBlockPool::ChainHash(parent, ns, toks);
     const int b = pool_.Lookup(h, parent, ns, toks);
     if (b < 0) break;
-    pool_.Ref(b);
-    kv.blocks.push_back(b);
-    ctx.hashes.push_back(h);
-    kv.n_tokens += B;
-    reused += B;
+    found.emplace_back(b, h);
+    if (!state) {
+      take = found.size();
+    } else if (auto it = snapshots_.find(h); it != snapshots_.end()) {
+      take = found.size();
+      snap = &it->second;
+    }
   }
+  for (size_t j = 0; j < take; ++j) {
+    pool_.Ref(found[j].first);
+    kv.blocks.push_back(found[j].first);
+    ctx.hashes.push_back(found[j].second);
+  }
+  if (snap) {  // the state after the last block taken
+    StateStore& st = cache_->states();
+    std::memcpy(st.Slot(kv.state_slot), cache_->snapshots().Slot(snap->slot), static_cast<size_t>(st.bytes_per_slot()));
+    snap->last_use = ++snapshot_clock_;
+  }
+  const int reused = static_cast<int>(take) * B;
+  kv.n_tokens += reused;
   return reused;
+}
+
+int Scheduler::SnapshotBoundary(const Sequence& s) const {
+  if (!opt_.prefix_caching || !s.use_prefix_cache || cache_->snapshots().n_slots() == 0) return -1;
+  const int B = pool_.block_size();
+  const int b = (static_cast<int>(s.ctx.tokens.size()) - 1) / B * B;
+  return b > 0 ? b : -1;
+}
+
+void Scheduler::TakeSnapshot(const CachedTokens& ctx) {
+  const int B = pool_.block_size();
+  const int n = ctx.kv.n_tokens;
+  if (n == 0 || n % B != 0 || ctx.hashes.size() != static_cast<size_t>(n / B)) return;
+  if (!cache_->states().in_use(ctx.kv.state_slot)) return;
+  const uint64_t h = ctx.hashes.back();
+  auto it = snapshots_.find(h);
+  if (it != snapshots_.end()) {
+    it->second.last_use = ++snapshot_clock_;
+    return;
+  }
+  StateStore& snaps = cache_->snapshots();
+  if (snaps.free_slots() == 0) {  // evict the least recently used
+    auto lru = snapshots_.end();
+    for (auto e = snapshots_.begin(); e != snapshots_.end(); ++e) {
+      if (lru == snapshots_.end() || e->second.last_use < lru->second.last_use) lru = e;
+    }
+    if (lru == snapshots_.end()) return;
+    snaps.Release(lru->second.slot);
+    snapshots_.erase(lru);
+  }
+  const int slot = snaps.Allocate();
+  if (slot < 0) return;
+  std::memcpy(snaps.Slot(slot), cache_->states().Slot(ctx.kv.state_slot), static_cast<size_t>(snaps.bytes_per_slot()));
+  snapshots_[h] = {slot, ++snapshot_clock_};
+}
+
+std::string Scheduler::CheckSnapshots() const {
+  const StateStore& snaps = cache_->snapshots();
+  std::vector<int> owners(static_cast<size_t>(snaps.n_slots()), 0);
+  for (const auto& [h, sn] : snapshots_) {
+    if (!snaps.in_use(sn.slot)) return "a snapshot holds slot " + std::to_string(sn.slot) + ", which is free";
+    if (++owners[static_cast<size_t>(sn.slot)] > 1)
+      return "snapshot slot " + std::to_string(sn.slot) + " has two owners";
+  }
+  if (static_cast<int>(snapshots_.size()) != snaps.used_slots()) {
+    return std::to_string(snaps.used_slots()) + " snapshot slots in use but " + std::to_string(snapshots_.size()) +
+           " snapshots";
+  }
+  return "";
 }
 
 void Scheduler::RegisterFullBlocks(Sequence& seq) {
@@ -83,6 +151,7 @@ void Scheduler::RegisterFullBlocks(Sequence& seq) {
     pool_.Register(c.kv.blocks[i], h, parent, seq.ns_id, toks);
     c.hashes.push_back(h);
   }
+  if (c.kv.n_tokens == SnapshotBoundary(seq)) TakeSnapshot(c);
 }
 
 bool Scheduler::EnsureStateSlot(Sequence& s, const Evictor& evict) {
@@ -207,8 +276,12 @@ StepPlan Scheduler::PlanStep(const Evictor& evict) {
   for (Sequence* s : order) {
     if (budget == 0) break;
     if (std::find(plan.preempted.begin(), plan.preempted.end(), s) != plan.preempted.end()) continue;
-    const int n = std::min(s->pending(), budget);
+    int n = std::min(s->pending(), budget);
     if (n <= 0) continue;
+    // A model that keeps state: stop the chunk at the snapshot boundary, so that the state there is seen.
+    if (const int b = SnapshotBoundary(*s); b > s->ctx.kv.n_tokens && s->ctx.kv.n_tokens + n > b) {
+      n = b - s->ctx.kv.n_tokens;
+    }
     if (!EnsureBlocks(*s, s->ctx.kv.n_tokens + n, running, plan, evict)) continue;
     ScheduledChunk c;
     c.seq = s;

@@ -15,6 +15,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -80,10 +81,20 @@ class Scheduler {
   // blocks, then plans one step. Sequences preempted to make room are back in the waiting queue (front).
   StepPlan PlanStep(const Evictor& evict);
 
-  // After a step: registers blocks that became full in the prefix cache.
+  // After a step: registers blocks that became full in the prefix cache; for a model that keeps state,
+  // snapshots the state when the sequence stands at its snapshot boundary (SnapshotBoundary).
   void RegisterFullBlocks(Sequence& seq);
-  // Takes cached prefix blocks for ctx (from position kv.n_tokens on); returns how many tokens it reused.
+  // Takes cached prefix blocks for ctx (from position kv.n_tokens on); returns how many tokens it reused. For
+  // a model that keeps state, only up to the deepest block whose state snapshot exists, which it copies into
+  // ctx's state slot (the slot must be held).
   int ReusePrefix(CachedTokens& ctx, uint32_t ns);
+  // Where a sequence's state is snapshotted for prefix caching (models that keep state): the last block
+  // boundary of its context that leaves a token to compute, or -1. Prefill chunks stop there, so that a step
+  // ends at it.
+  int SnapshotBoundary(const Sequence& s) const;
+  int n_snapshots() const { return static_cast<int>(snapshots_.size()); }
+  // "" when every snapshot slot in use belongs to exactly one entry, else the first error.
+  std::string CheckSnapshots() const;
 
   uint64_t prefix_queries_tokens() const { return prefix_queries_; }
   uint64_t prefix_hits_tokens() const { return prefix_hits_; }
@@ -102,8 +113,18 @@ class Scheduler {
   // Gives s a state slot if the model keeps state and it has none; false when none can be freed.
   bool EnsureStateSlot(Sequence& s, const Evictor& evict);
 
+  void TakeSnapshot(const CachedTokens& ctx);
+
   std::unique_ptr<CacheStores> cache_;
   KvBlockPool pool_;
+  // State snapshots at block boundaries, by the chain hash of the block that ends there (which covers the
+  // namespace and every token before), least recently used evicted first.
+  struct Snapshot {
+    int slot = -1;
+    uint64_t last_use = 0;
+  };
+  std::unordered_map<uint64_t, Snapshot> snapshots_;
+  uint64_t snapshot_clock_ = 0;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
   std::unordered_map<uint32_t, int> waiting_by_ns_, running_by_ns_;  // per tenant

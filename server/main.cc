@@ -230,7 +230,8 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option(
          "--state-slots", f.state_slots,
          "per-sequence state slots for models with Gated DeltaNet layers (qwen35), from the KV budget (default: "
-         "up to half of it, 1..64 slots; each running request and resident session holds one)")
+         "up to half of it, 1..64 slots; each running request and resident session holds one; a quarter as many "
+         "prefix snapshots come on top)")
       ->check(CLI::Range(0, 65536));
   app.add_option("--block-size", f.block_size, "tokens per KV block")
       ->capture_default_str()

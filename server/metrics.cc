@@ -94,6 +94,9 @@ class EngineCollectable final : public prometheus::Collectable {
           "per-sequence state slots (Gated DeltaNet layers' conv window and matrices): used (by running requests "
           "and resident sessions) or free; both 0 for models without such layers",
           {{"used", d(s.state_slots_used)}, {"free", d(s.state_slots_free)}}, "state");
+    gauge("qkvserve_state_snapshots",
+          "states kept at block boundaries for prefix caching (models with Gated DeltaNet layers): held, and room for",
+          {{"used", d(s.state_snapshots)}, {"capacity", d(s.state_snapshot_slots)}}, "state");
     gauge("qkvserve_state_bytes_per_sequence", "f32 bytes of state one sequence holds, whatever its length",
           {{"", d(s.state_bytes_per_slot)}});
     counter("qkvserve_prefix_cache_queries_tokens_total", "prompt tokens looked up in the prefix cache",

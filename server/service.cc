@@ -629,6 +629,7 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_linear_attention_layers(c.n_layers - c.n_attention_layers());
   resp->set_state_bytes_per_sequence(m.cache_layout().state_bytes_per_seq);
   resp->set_state_slots(m.cache_layout().state_slots);
+  resp->set_state_snapshot_slots(m.cache_layout().snapshot_slots);
   resp->set_context_length(m.max_context());
   const EngineStats s = engine_.Stats();
   resp->set_kv_cache_tokens(s.tokens_capacity);

@@ -2,8 +2,9 @@
 """A hybrid model (qwen35: Gated DeltaNet layers beside gated attention) through a real qkvserve over gRPC on
 127.0.0.1: sessions keep the layers' state between turns (a 4-turn session equals the same conversation sent
 fresh, token for token, and reuses its whole history), fork copies it (each branch equals its fresh
-conversation), 15 concurrent requests give what each gives alone, cancellations leak no state slot, and the
-state is reported by GetModelInfo, GetStats and /metrics. Times to first token are printed, not asserted
+conversation), 15 concurrent requests give what each gives alone, cancellations leak no state slot, a client
+resending its conversation without a session reuses a state snapshot, and the state is reported by
+GetModelInfo, GetStats and /metrics. "Fresh" results come from a second server without prefix caching. Times to first token are printed, not asserted
 (docs/performance.md has the measured figures)."""
 import concurrent.futures
 import json
@@ -49,14 +50,21 @@ class HybridTest(unittest.TestCase):
         cls.s = Server("--threads", "2", "--debug-accounting", "--kv-cache-bytes", "64MiB", "--state-slots", "24",
                        model=cls.model)
         cls.stub = cls.s.stub
+        # The same model without prefix caching: what a request sent fresh computes.
+        cls.plain = Server("--threads", "2", "--kv-cache-bytes", "64MiB", "--no-prefix-caching", model=cls.model)
 
     @classmethod
     def tearDownClass(cls):
         cls.s.stop()
+        cls.plain.stop()
 
-    def complete(self, tokens, n=8, session=None):
+    def complete(self, tokens, n=8, session=None, stub=None):
         extra = {"session_id": session} if session else {}
-        return self.stub.Complete(greedy(token_ids=pb.TokenIds(ids=tokens), max_tokens=n, ignore_eos=True, **extra))
+        return (stub or self.stub).Complete(greedy(token_ids=pb.TokenIds(ids=tokens), max_tokens=n, ignore_eos=True,
+                                                   **extra))
+
+    def fresh(self, tokens, n=8):
+        return self.complete(tokens, n, stub=self.plain.stub)
 
     def history(self, sid):
         return list(self.stub.GetSession(pb.GetSessionRequest(session_id=sid, include_token_ids=True)).token_ids)
@@ -71,11 +79,12 @@ class HybridTest(unittest.TestCase):
         # Only the 2 attention layers cache K/V per token: 2 layers x 2 x 2 kv heads x 32 x 2 bytes.
         self.assertEqual(info.kv_bytes_per_token, 2 * 2 * 2 * 32 * 2)
         m = self.s.metrics()
-        self.assertEqual(m['qkvserve_memory_bytes{component="state"}'], 24 * per_seq)
+        self.assertEqual(info.state_snapshot_slots, 6)
+        self.assertEqual(m['qkvserve_memory_bytes{component="state"}'], (24 + 6) * per_seq)
         self.assertEqual(m['qkvserve_state_bytes_per_sequence'], per_seq)
         self.assertEqual(m['qkvserve_state_slots{state="used"}'] + m['qkvserve_state_slots{state="free"}'], 24)
         st = self.stub.GetStats(pb.GetStatsRequest())
-        self.assertEqual(st.memory_state_bytes, 24 * per_seq)
+        self.assertEqual(st.memory_state_bytes, (24 + 6) * per_seq)
         self.assertEqual(st.state_slots_used + st.state_slots_free, 24)
 
     def test_four_turn_session_equals_fresh_and_reuses_history(self):
@@ -86,7 +95,7 @@ class HybridTest(unittest.TestCase):
             before = self.history(sid)
             new = ids(1990 if turn == 0 else 7 + turn, turn)
             r = self.complete(new, session=sid)
-            fresh = self.complete(before + new)
+            fresh = self.fresh(before + new)
             self.assertEqual(list(r.token_ids), list(fresh.token_ids), f"turn {turn}")
             self.assertEqual(r.usage.prompt_tokens, len(before) + len(new))
             # The whole history is reused (state and attention KV) but its last token, the previous reply's
@@ -106,14 +115,31 @@ class HybridTest(unittest.TestCase):
         for name, salt in ((sid, 2), ("branch", 3), (sid, 4), ("branch", 5)):
             before, new = self.history(name), ids(9 + salt, salt)
             r = self.complete(new, session=name)
-            self.assertEqual(list(r.token_ids), list(self.complete(before + new).token_ids), name)
+            self.assertEqual(list(r.token_ids), list(self.fresh(before + new).token_ids), name)
             self.assertEqual(r.usage.cached_tokens, len(before) - 1, name)
         self.stub.CloseSession(pb.CloseSessionRequest(session_id="branch"))
         self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
+    def test_stateless_resend_reuses_a_state_snapshot(self):
+        """A client without sessions resends the growing conversation: the prefix cache reuses the attention
+        layers' blocks up to a block boundary where the state was snapshotted (the previous request's last),
+        and the reply is what the same request computes without any cache."""
+        convo = ids(50, 21)
+        for turn in range(3):
+            r = self.complete(convo)
+            self.assertEqual(list(r.token_ids), list(self.fresh(convo).token_ids), f"turn {turn}")
+            if turn > 0:
+                self.assertGreater(r.usage.cached_tokens, 0, f"turn {turn}")
+                self.assertEqual(r.usage.cached_tokens % 16, 0)
+            convo = convo + list(r.token_ids) + ids(9, 30 + turn)
+        m = self.s.metrics()
+        self.assertGreater(m['qkvserve_state_snapshots{state="used"}'], 0)
+        self.assertEqual(m['qkvserve_state_snapshots{state="capacity"}'], 6)  # a quarter of the 24 slots
+        self.assertEqual(self.s.accounting(), "")
+
     def test_fifteen_concurrent_requests_match_solo(self):
         prompts = [ids(5 + 23 * k, 10 + k) for k in range(15)]
-        solo = [list(self.complete(p, n=12).token_ids) for p in prompts]
+        solo = [list(self.fresh(p, n=12).token_ids) for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(15) as ex:
             together = list(ex.map(lambda p: list(self.complete(p, n=12).token_ids), prompts))
         self.assertEqual(together, solo)
@@ -125,8 +151,9 @@ class HybridTest(unittest.TestCase):
         self.stub.TruncateSession(pb.TruncateSessionRequest(session_id=sid, num_tokens=30))
         before, new = self.history(sid), ids(5, 7)
         r = self.complete(new, session=sid)
-        self.assertEqual(list(r.token_ids), list(self.complete(before + new).token_ids))
-        self.assertEqual(r.usage.cached_tokens, 0)  # cut below what it computed: the state starts over
+        # Cut below what it computed, the session's state starts over (from a prefix snapshot where one exists).
+        self.assertEqual(list(r.token_ids), list(self.fresh(before + new).token_ids))
+        self.assertEqual(r.usage.cached_tokens % 16, 0)
         self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
         # Cancelled and deadline-killed streams give their slots back.
         for j in range(12):
