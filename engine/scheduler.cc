@@ -44,7 +44,8 @@ void Scheduler::Truncate(CachedTokens& ctx, int n) {
   ctx.hashes.resize(std::min(ctx.hashes.size(), static_cast<size_t>(ctx.kv.n_tokens / B)));
 }
 
-int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns) {
+int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns, int* cached_end) {
+  if (cached_end) *cached_end = -1;
   if (!opt_.prefix_caching) return 0;
   // Cached blocks hold K/V, not the state after them: a model that keeps state reuses them only up to a
   // block whose state was snapshotted.
@@ -75,6 +76,7 @@ int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns) {
       snap = &it->second;
     }
   }
+  if (cached_end && found.size() > take) *cached_end = (kv.n_tokens / B + static_cast<int>(found.size())) * B;
   for (size_t j = 0; j < take; ++j) {
     pool_.Ref(found[j].first);
     kv.blocks.push_back(found[j].first);
@@ -90,11 +92,21 @@ int Scheduler::ReusePrefix(CachedTokens& ctx, uint32_t ns) {
   return reused;
 }
 
-int Scheduler::SnapshotBoundary(const Sequence& s) const {
-  if (!opt_.prefix_caching || !s.use_prefix_cache || cache_->snapshots().n_slots() == 0) return -1;
+bool Scheduler::IsSnapshotBoundary(const Sequence& s, int pos) const {
+  if (!opt_.prefix_caching || !s.use_prefix_cache || cache_->snapshots().n_slots() == 0 || pos <= 0) return false;
   const int B = pool_.block_size();
-  const int b = (static_cast<int>(s.ctx.tokens.size()) - 1) / B * B;
-  return b > 0 ? b : -1;
+  return pos == (static_cast<int>(s.ctx.tokens.size()) - 1) / B * B || pos == s.snapshot_at;
+}
+
+int Scheduler::NextSnapshotBoundary(const Sequence& s) const {
+  const int n = s.ctx.kv.n_tokens;
+  const int B = pool_.block_size();
+  const int last = (static_cast<int>(s.ctx.tokens.size()) - 1) / B * B;
+  int next = -1;
+  for (int b : {s.snapshot_at, last}) {
+    if (b > n && IsSnapshotBoundary(s, b) && (next < 0 || b < next)) next = b;
+  }
+  return next;
 }
 
 void Scheduler::TakeSnapshot(const CachedTokens& ctx) {
@@ -151,7 +163,7 @@ void Scheduler::RegisterFullBlocks(Sequence& seq) {
     pool_.Register(c.kv.blocks[i], h, parent, seq.ns_id, toks);
     c.hashes.push_back(h);
   }
-  if (c.kv.n_tokens == SnapshotBoundary(seq)) TakeSnapshot(c);
+  if (IsSnapshotBoundary(seq, c.kv.n_tokens)) TakeSnapshot(c);
 }
 
 bool Scheduler::EnsureStateSlot(Sequence& s, const Evictor& evict) {
@@ -258,7 +270,7 @@ StepPlan Scheduler::PlanStep(const Evictor& evict) {
     ++running_by_ns_[s->ns_id];
     if (s->use_prefix_cache && s->ctx.kv.n_tokens < static_cast<int>(s->ctx.tokens.size()) - 1) {
       const int before = s->ctx.kv.n_tokens;
-      ReusePrefix(s->ctx, s->ns_id);
+      ReusePrefix(s->ctx, s->ns_id, &s->snapshot_at);
       if (s->preemptions == 0) s->n_cached = s->ctx.kv.n_tokens;
       if (s->preemptions == 0) CountPrefixQuery(s->n_prompt - before, s->ctx.kv.n_tokens - before);
     }
@@ -279,7 +291,7 @@ StepPlan Scheduler::PlanStep(const Evictor& evict) {
     int n = std::min(s->pending(), budget);
     if (n <= 0) continue;
     // A model that keeps state: stop the chunk at the snapshot boundary, so that the state there is seen.
-    if (const int b = SnapshotBoundary(*s); b > s->ctx.kv.n_tokens && s->ctx.kv.n_tokens + n > b) {
+    if (const int b = NextSnapshotBoundary(*s); b > 0 && s->ctx.kv.n_tokens + n > b) {
       n = b - s->ctx.kv.n_tokens;
     }
     if (!EnsureBlocks(*s, s->ctx.kv.n_tokens + n, running, plan, evict)) continue;

@@ -82,16 +82,18 @@ class Scheduler {
   StepPlan PlanStep(const Evictor& evict);
 
   // After a step: registers blocks that became full in the prefix cache; for a model that keeps state,
-  // snapshots the state when the sequence stands at its snapshot boundary (SnapshotBoundary).
+  // snapshots the state when the sequence stands at one of its snapshot boundaries (IsSnapshotBoundary).
   void RegisterFullBlocks(Sequence& seq);
   // Takes cached prefix blocks for ctx (from position kv.n_tokens on); returns how many tokens it reused. For
   // a model that keeps state, only up to the deepest block whose state snapshot exists, which it copies into
-  // ctx's state slot (the slot must be held).
-  int ReusePrefix(CachedTokens& ctx, uint32_t ns);
+  // ctx's state slot (the slot must be held); cached_end (if given) is then where the cached blocks found end
+  // when that is further (else -1).
+  int ReusePrefix(CachedTokens& ctx, uint32_t ns, int* cached_end = nullptr);
   // Where a sequence's state is snapshotted for prefix caching (models that keep state): the last block
-  // boundary of its context that leaves a token to compute, or -1. Prefill chunks stop there, so that a step
-  // ends at it.
-  int SnapshotBoundary(const Sequence& s) const;
+  // boundary of its context that leaves a token to compute, and its snapshot_at. Prefill chunks stop at the
+  // next one (NextSnapshotBoundary, -1: none), so that a step ends at it.
+  bool IsSnapshotBoundary(const Sequence& s, int pos) const;
+  int NextSnapshotBoundary(const Sequence& s) const;
   int n_snapshots() const { return static_cast<int>(snapshots_.size()); }
   // "" when every snapshot slot in use belongs to exactly one entry, else the first error.
   std::string CheckSnapshots() const;

@@ -58,6 +58,10 @@ struct Sequence {
   int max_tokens = 0;
   int tenant_max_running = 1 << 30;  // its tenant's running cap (TenantQuota::max_running)
   bool use_prefix_cache = true;
+  // (Models that keep state) where the context leaves the cached blocks found at admission, past the deepest
+  // state snapshot: its state is snapshotted there too, so that the next request sharing that prefix (a
+  // common system prompt) reuses it. -1: none.
+  int snapshot_at = -1;
   std::unique_ptr<OutputProcessor> output;  // sampling, logprobs, text, stop checks
   std::shared_ptr<RequestStream> stream;
   Session* session = nullptr;

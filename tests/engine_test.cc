@@ -452,6 +452,34 @@ TEST_P(EngineTest, StateSlotsEvictIdleSessions) {
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
+// A shared system prompt followed by different questions: an attention model reuses its blocks from the
+// second request on; a hybrid model reuses them once a state snapshot exists where the prompts part (the
+// second request, finding the blocks without one, leaves it), from the third on. Outputs equal a request
+// computed without the prefix cache.
+TEST_P(EngineTest, SharedPrefixIsReusedThroughASnapshot) {
+  Start();
+  const std::vector<int> sys = Prompt(48, 7);
+  auto with = [&](const std::vector<int>& q) {
+    std::vector<int> p = sys;
+    p.insert(p.end(), q.begin(), q.end());
+    return p;
+  };
+  std::vector<int> cached;
+  for (int k = 0; k < 4; ++k) {
+    const std::vector<int> p = with(Prompt(20 + 7 * k, 20 + k));  // (a last block boundary past sys)
+    const Result r = Run(Greedy(p, 4));
+    cached.push_back(r.final.usage.cached_tokens);
+    GenerateParams plain = Greedy(p, 4);
+    plain.prompt_logprobs = true;  // (no prefix cache for such a request)
+    EXPECT_EQ(r.tokens, Run(plain).tokens) << k;
+  }
+  EXPECT_EQ(cached[0], 0);
+  EXPECT_EQ(cached[1], keeps_state() ? 0 : 48);
+  EXPECT_EQ(cached[2], 48);
+  EXPECT_EQ(cached[3], 48);
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
 TEST_P(EngineTest, NamespacesIsolateSessionsAndPrefixes) {
   Start();
   ASSERT_TRUE(engine_->CreateSession("alice", "x", 0, 0, {}).ok());
