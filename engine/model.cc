@@ -161,6 +161,14 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   m->layout_.state_bytes_per_seq = state_bytes;
   m->layout_.state_slots = slots;
   m->layout_.snapshot_slots = snapshots_for(slots);
+  // The slots are allocated and zeroed at start-up: refuse what this machine cannot hold (a file can declare
+  // linear heads of any width) instead of failing the allocation.
+  if (state_bytes > 0 && m->layout_.state_bytes() > MemAvailableBytes()) {
+    return ResourceExhausted("model: " + std::to_string(slots + m->layout_.snapshot_slots) + " state slots of " +
+                             std::to_string(state_bytes) +
+                             " bytes exceed the available memory (lower --state-slots or "
+                             "--kv-cache-bytes)");
+  }
   if (state_bytes > 0) {
     spdlog::info("state: {} slots + {} prefix snapshots of {:.2f} MiB ({} Gated DeltaNet layers), {:.1f} MiB", slots,
                  m->layout_.snapshot_slots, static_cast<double>(state_bytes) / (1 << 20),
