@@ -191,8 +191,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   m->gu_.assign(R * 2 * c.ffn, 0);
   m->act_.assign(R * c.ffn, 0);
   m->logits_.assign(R * c.vocab, 0);
-  // Only layers on oneDNN's bf16 GEMM take bf16 input; the packed GEMM reads the f32 activations.
-  if (m->compute_dtype() == DType::kBF16) {
+  // Only layers on oneDNN's bf16 GEMM take bf16 input; the packed and AMX GEMMs read the f32 activations.
+  if (m->rt_->any_bf16_input()) {
     int widest = std::max({c.hidden, c.q_dim(), c.ffn});
     for (const auto& l : m->layers_) l->ForEachLinear([&](const Linear& lin) { widest = std::max(widest, lin.k()); });
     m->in_lp_.assign(R * widest, 0);
@@ -318,7 +318,7 @@ std::string Model::weights_summary() const {
   return s;
 }
 
-DType Model::compute_dtype() const { return rt_->any_bf16_input() ? DType::kBF16 : DType::kF32; }
+DType Model::compute_dtype() const { return rt_->any_bf16_compute() ? DType::kBF16 : DType::kF32; }
 
 Status Model::CheckChunk(const BatchChunk& ch) const {
   if (!ch.seq || ch.tokens.empty()) return InvalidArgument("forward: empty chunk");

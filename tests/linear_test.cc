@@ -153,6 +153,74 @@ TEST(Linear, PackedGivesTheSameBitsAtEveryKernelLevel) {
   std::printf("kernel levels avx2 and avx512: same bits\n");
 }
 
+// The AMX GEMM (kernels/amx_gemm.h), forced: same bits for every M, team size and tile block, and the product
+// of the bf16-rounded inputs up to f32 accumulation. Skipped where the CPU (or QKV_MAX_ISA) has no AMX.
+TEST(Linear, AmxRowsAreIndependentOfMAndMatchTheBf16Product) {
+  if (ActiveKernelIsa() < KernelIsa::kAmx) {
+    std::printf("AMX GEMM: skipped (kernel level %s)\n", KernelIsaName(ActiveKernelIsa()));
+    GTEST_SKIP() << "no AMX";
+  }
+  ScopedEnv env("QKV_GEMM", "amx");
+  {
+    GemmRuntime rt(2);
+    std::vector<float> w(40 * 24, 0.5f);
+    auto lin = Linear::Create(rt, w.data(), nullptr, 40, 24, DType::kBF16);
+    ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+    EXPECT_EQ((*lin)->backend(), GemmBackend::kAmx);
+    EXPECT_EQ((*lin)->input_dtype(), DType::kF32);
+    EXPECT_TRUE(rt.any_bf16_compute());
+    EXPECT_FALSE(rt.any_bf16_input());
+  }
+  for (Shape s : kShapes) CheckRows(DType::kBF16, s, 2, AllM());
+  for (Shape s : {Shape{7, 5}, Shape{33, 17}, Shape{100, 64}, Shape{49, 70}}) {
+    CheckRows(DType::kF32, s, 1, AllM());
+    CheckRows(DType::kBF16, s, 3, AllM());
+  }
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (Shape s : {Shape{7, 5}, Shape{100, 64}, Shape{49, 70}, Shape{300, 896}}) {
+    for (int m : {1, 5, 16, 17, 40}) {
+      std::vector<float> w(static_cast<size_t>(s.n) * s.k), b(s.n), x(static_cast<size_t>(m) * s.k);
+      for (auto* v : {&w, &b, &x})
+        for (float& e : *v) e = u(rng);
+      GemmRuntime rt(2);
+      auto lin = Linear::Create(rt, w.data(), b.data(), s.n, s.k, DType::kBF16);
+      ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+      std::vector<float> y(static_cast<size_t>(m) * s.n);
+      (*lin)->Forward(x.data(), m, y.data());
+      for (int r = 0; r < m; ++r) {
+        for (int c = 0; c < s.n; ++c) {
+          double ref = 0, mag = 0;
+          for (int i = 0; i < s.k; ++i) {
+            const double p = static_cast<double>(Bf16ToF32(F32ToBf16(x[r * s.k + i]))) *
+                             Bf16ToF32(F32ToBf16(w[static_cast<size_t>(c) * s.k + i]));
+            ref += p;
+            mag += std::fabs(p);
+          }
+          ASSERT_NEAR(y[static_cast<size_t>(r) * s.n + c], ref + b[c], 1e-6 * mag + 1e-6)
+              << s.n << "x" << s.k << " m " << m << " (" << r << "," << c << ")";
+        }
+      }
+    }
+  }
+}
+
+// Below kernel level amx the AMX GEMM is not chosen, and forcing it is refused with a message naming the level.
+TEST(Linear, AmxOnlyAtKernelLevelAmx) {
+  testing::KernelLevelGuard guard;
+  SetKernelIsaForTesting(KernelIsa::kAvx512Vnni);
+  GemmRuntime rt(2);
+  std::vector<float> w(40 * 24, 0.5f);
+  auto lin = Linear::Create(rt, w.data(), nullptr, 40, 24, DType::kBF16);
+  ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+  EXPECT_NE((*lin)->backend(), GemmBackend::kAmx);
+  ScopedEnv env("QKV_GEMM", "amx");
+  auto forced = Linear::Create(rt, w.data(), nullptr, 40, 24, DType::kBF16);
+  ASSERT_FALSE(forced.ok());
+  EXPECT_NE(forced.status().message().find("QKV_GEMM=amx needs kernel level amx"), std::string::npos)
+      << forced.status().ToString();
+}
+
 void CheckNaiveProduct(DType dt) {
   GemmRuntime rt(2);
   const int n = 40, k = 24, m = 5;

@@ -1,5 +1,9 @@
 #include "engine/kernels/cpu.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -7,21 +11,38 @@
 namespace qkv {
 namespace {
 
+// AMX-TILE and AMX-BF16 in CPUID, the tile state enabled by the OS (XCR0 bits 17 and 18), and Linux's
+// permission for this process to use it (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, which is
+// what oneDNN asks for too; without it the first tile instruction faults).
+bool AmxUsable() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+  if (!tile || !bf16) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv is usable
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if (((lo >> 17) & 3u) != 3u) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
 int Detect() {
   __builtin_cpu_init();
   const bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   if (!v4) return static_cast<int>(KernelIsa::kAvx2);
-  return static_cast<int>(__builtin_cpu_supports("avx512vnni") ? KernelIsa::kAvx512Vnni : KernelIsa::kAvx512);
+  if (!__builtin_cpu_supports("avx512vnni")) return static_cast<int>(KernelIsa::kAvx512);
+  return static_cast<int>(AmxUsable() ? KernelIsa::kAmx : KernelIsa::kAvx512Vnni);
 }
 
 StatusOr<KernelIsa> Parse(const char* v) {
   const std::string s = v ? v : "";
   if (s.empty()) return CpuKernelIsa();
-  for (KernelIsa i : {KernelIsa::kAvx2, KernelIsa::kAvx512, KernelIsa::kAvx512Vnni}) {
+  for (KernelIsa i : {KernelIsa::kAvx2, KernelIsa::kAvx512, KernelIsa::kAvx512Vnni, KernelIsa::kAmx}) {
     if (s == KernelIsaName(i)) return std::min(i, CpuKernelIsa());
   }
-  return InvalidArgument("QKV_MAX_ISA must be avx2, avx512 or avx512_vnni, got '" + s + "'");
+  return InvalidArgument("QKV_MAX_ISA must be avx2, avx512, avx512_vnni or amx, got '" + s + "'");
 }
 
 // -1: not decided yet.
@@ -34,6 +55,7 @@ const char* KernelIsaName(KernelIsa isa) {
     case KernelIsa::kAvx2: return "avx2";
     case KernelIsa::kAvx512: return "avx512";
     case KernelIsa::kAvx512Vnni: return "avx512_vnni";
+    case KernelIsa::kAmx: return "amx";
   }
   return "?";
 }

@@ -6,7 +6,9 @@
 //   avx2         AVX2 + FMA (the build's baseline)
 //   avx512       AVX-512 F, BW, DQ, VL (x86-64-v4: Skylake-SP and later, Zen 4 and later)
 //   avx512_vnni  avx512 + VNNI integer dot products (Cascade Lake and later, Zen 4 and later)
-// QKV_MAX_ISA=avx2|avx512|avx512_vnni caps the level the way ONEDNN_MAX_CPU_ISA caps oneDNN (per process,
+//   amx          avx512_vnni + AMX-BF16 tiles, with the kernel's permission to use them (Sapphire Rapids and
+//                later): bf16 weights run on the AMX GEMM (kernels/amx_gemm.h)
+// QKV_MAX_ISA=avx2|avx512|avx512_vnni|amx caps the level the way ONEDNN_MAX_CPU_ISA caps oneDNN (per process,
 // read once); a level above what the CPU has is the CPU's level. Every kernel gives the same bits at
 // every level (the wider kernels run the same operations per output in the same order), which
 // tests/linear_test.cc and tests/quant_test.cc check on whatever CPU runs them.
@@ -18,7 +20,7 @@
 
 namespace qkv {
 
-enum class KernelIsa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2 };
+enum class KernelIsa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2, kAmx = 3 };
 
 const char* KernelIsaName(KernelIsa isa);
 // What this CPU supports, ignoring the cap.

@@ -53,7 +53,13 @@ int PaddedRows(int m) {
 }
 
 const char* GemmBackendName(GemmBackend b) {
-  return b == GemmBackend::kOneDnn ? "onednn" : b == GemmBackend::kPacked ? "packed" : "quantized";
+  switch (b) {
+    case GemmBackend::kOneDnn: return "onednn";
+    case GemmBackend::kPacked: return "packed";
+    case GemmBackend::kQuant: return "quantized";
+    case GemmBackend::kAmx: return "amx";
+  }
+  return "?";
 }
 
 StatusOr<std::optional<GemmBackend>> GemmBackendFromEnv() {
@@ -61,7 +67,8 @@ StatusOr<std::optional<GemmBackend>> GemmBackendFromEnv() {
   if (!v || !*v || std::string(v) == "auto") return std::optional<GemmBackend>();
   if (std::string(v) == "packed") return std::optional<GemmBackend>(GemmBackend::kPacked);
   if (std::string(v) == "onednn") return std::optional<GemmBackend>(GemmBackend::kOneDnn);
-  return InvalidArgument(std::string("QKV_GEMM must be auto, packed or onednn, got '") + v + "'");
+  if (std::string(v) == "amx") return std::optional<GemmBackend>(GemmBackend::kAmx);
+  return InvalidArgument(std::string("QKV_GEMM must be auto, packed, onednn or amx, got '") + v + "'");
 }
 
 std::string GemmRuntime::CpuIsa() {
@@ -175,7 +182,24 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
     // Forced: oneDNN for every bucket even where its kernels differ (to measure it, or to show the tests fail).
     Status st = lin->CreateOneDnn(w, bias, 1, kTileRows, /*same_kernel=*/false);
     if (!st.ok()) return Internal("linear " + shape + ": QKV_GEMM=onednn: " + st.message());
-    rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() + " (forced)", dt);
+    rt.NoteLayer(std::string("onednn ") + lin->slices_[0].buckets.back().p->pd.impl_info_str() + " (forced)", dt, dt);
+    return lin;
+  }
+  const bool amx = ActiveKernelIsa() >= KernelIsa::kAmx;
+  if (forced == GemmBackend::kAmx && !amx) {
+    return FailedPrecondition("linear " + shape + ": QKV_GEMM=amx needs kernel level amx, this process runs at " +
+                              KernelIsaName(ActiveKernelIsa()));
+  }
+  auto split = [&](int panels) {
+    const int nthr = rt.n_threads();
+    lin->panel_bounds_.resize(nthr + 1);
+    for (int t = 0; t <= nthr; ++t) lin->panel_bounds_[t] = static_cast<int>(static_cast<int64_t>(panels) * t / nthr);
+  };
+  if (amx && (forced == GemmBackend::kAmx || (!forced && dt == DType::kBF16))) {
+    lin->amx_ = std::make_unique<AmxWeights>(w, bias, n, k);
+    lin->weight_bytes_ = lin->amx_->bytes();
+    split(lin->amx_->groups());
+    rt.NoteLayer("amx bf16 x bf16", DType::kF32, DType::kBF16);
     return lin;
   }
   if (!forced) {
@@ -190,7 +214,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
           std::string note = std::string("onednn ") + lin->slices_[0].buckets[lin->last_bucket_].p->pd.impl_info_str();
           if (min_bucket > 1) note += " (M >= " + std::to_string(min_bucket) + ")";
           if (max_bucket < kTileRows) note += " (tiles of " + std::to_string(max_bucket) + ")";
-          rt.NoteLayer(note, dt);
+          rt.NoteLayer(note, dt, dt);
           return lin;
         }
         why = st.message();
@@ -202,11 +226,9 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   }
   lin->packed_ = std::make_unique<PackedWeights>(w, bias, n, k, dt == DType::kBF16);
   lin->weight_bytes_ = lin->packed_->bytes();
-  const int nthr = rt.n_threads();
-  const int panels = lin->packed_->panels();
-  lin->panel_bounds_.resize(nthr + 1);
-  for (int t = 0; t <= nthr; ++t) lin->panel_bounds_[t] = static_cast<int>(static_cast<int64_t>(panels) * t / nthr);
-  rt.NoteLayer(std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x " + DTypeName(dt), DType::kF32);
+  split(lin->packed_->panels());
+  rt.NoteLayer(std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x " + DTypeName(dt), DType::kF32,
+               DType::kF32);
   return lin;
 }
 
@@ -223,7 +245,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::
   lin->weight_bytes_ = w->bytes();
   lin->quant_ = std::move(w);
   rt.NoteLayer(std::string("quantized ") + KernelIsaName(QuantWeights::Level()) + " int8 x " + lin->quant_->types(),
-               DType::kF32);
+               DType::kF32, DType::kF32);
   return lin;
 }
 
@@ -384,6 +406,25 @@ void Linear::Forward(const void* x, int m, float* y) const {
         const int g1 = static_cast<int>(static_cast<int64_t>(groups) * (t + 1) / nthr);
         quant_->Compute(a, std::min(n_, g0 * kInterleave), std::min(n_, g1 * kInterleave), y, n_);
       }
+    }
+    return;
+  }
+  if (amx_) {
+    // Rows are packed (rounded to bf16, in tile order) once for all slices; each output depends on its row
+    // and weight column only. Worksharing loops: every tile and slice is computed whatever the team size.
+    std::vector<uint16_t>& a = rt_->amx_rows();
+    const size_t need = AmxWeights::PackedRowsSize(m, k_);
+    if (a.size() < need) a.resize(need);
+    const int mtiles = (m + AmxWeights::kTileRows - 1) / AmxWeights::kTileRows;
+    const auto* xf = static_cast<const float*>(x);
+#pragma omp parallel num_threads(nthr)
+    {
+#pragma omp for schedule(static)
+      for (int t = 0; t < nthr; ++t) {
+        AmxWeights::PackRows(xf, k_, m, k_, mtiles * t / nthr, mtiles * (t + 1) / nthr, a.data());
+      }
+#pragma omp for schedule(static)
+      for (int t = 0; t < nthr; ++t) amx_->Compute(a.data(), m, panel_bounds_[t], panel_bounds_[t + 1], y, n_);
     }
     return;
   }

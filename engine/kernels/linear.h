@@ -13,8 +13,11 @@
 //     kernels agree (AMX picks another kernel below a tile); failing that, or where oneDNN has no kernel
 //     for the dtype (bf16 below AVX-512), the layer runs on PackedWeights (packed_gemm.h), which gives
 //     the same bits for every M by construction.
-// QKV_GEMM=packed|onednn|auto (default auto) forces a backend; onednn skips the same-kernel check (to
-// measure oneDNN, or to see the same-bits tests fail) and fails only where oneDNN has no kernel.
+//   * at kernel level amx (kernels/cpu.h), bf16 weights run on AmxWeights (amx_gemm.h), which gives the
+//     same bits for every M by construction and is faster than oneDNN's AMX kernels at M = 1.
+// QKV_GEMM=packed|onednn|amx|auto (default auto) forces a backend; onednn skips the same-kernel check (to
+// measure oneDNN, or to see the same-bits tests fail) and fails only where oneDNN has no kernel; amx
+// fails below kernel level amx.
 // tests/linear_test.cc checks every row for M = 1..64, 65, 100, 127, 128, 129, 200 and 300 against M = 1,
 // for each shape, dtype and backend.
 #pragma once
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "engine/dtype.h"
+#include "engine/kernels/amx_gemm.h"
 #include "engine/kernels/packed_gemm.h"
 #include "engine/kernels/quant_gemm.h"
 #include "engine/status.h"
@@ -41,7 +45,7 @@ inline constexpr int kTileRows = 128;
 // to at least the largest minimum bucket). Outputs are written for the m rows only.
 int PaddedRows(int m);
 
-enum class GemmBackend { kOneDnn, kPacked, kQuant };
+enum class GemmBackend { kOneDnn, kPacked, kQuant, kAmx };
 const char* GemmBackendName(GemmBackend b);
 // QKV_GEMM from the environment: auto (unset or "auto"), or a forced backend.
 StatusOr<std::optional<GemmBackend>> GemmBackendFromEnv();
@@ -71,8 +75,10 @@ class GemmRuntime {
   float* out(int thread) { return out_[thread].data(); }
   // Activations quantized for the layers on quantized weights (engine thread only).
   QuantizedRows& quantized_rows() { return qrows_; }
+  // Activations packed for the AMX tiles (engine thread only; sized by Linear::Forward).
+  std::vector<uint16_t>& amx_rows() { return amx_rows_; }
   size_t scratch_bytes() const {
-    size_t n = qrows_.bytes();
+    size_t n = qrows_.bytes() + amx_rows_.capacity() * 2;
     for (const auto& s : scratch_) n += s.capacity();
     for (const auto& o : out_) n += o.capacity() * sizeof(float);
     return n;
@@ -86,14 +92,18 @@ class GemmRuntime {
   // oneDNN's effective instruction set, e.g. "avx2", "avx512_core_amx" (ONEDNN_MAX_CPU_ISA caps it).
   static std::string CpuIsa();
   // Records a created layer: its GEMM path (for Summary) and the dtype it takes its input in.
-  void NoteLayer(const std::string& what, DType input) {
+  // compute: the dtype the products are taken in (bf16 on the AMX GEMM although it takes f32 input).
+  void NoteLayer(const std::string& what, DType input, DType compute) {
     layers_.insert(what);
     bf16_input_ |= input == DType::kBF16;
+    bf16_compute_ |= compute == DType::kBF16;
   }
   // Verdicts of Linear's same-bits probe, by the primitives of a slice's buckets (empty: same bits).
   std::map<std::vector<const Prim*>, std::string>& probe_verdicts() { return probes_; }
   // Whether any layer takes bf16 input (then callers need a bf16 staging buffer).
   bool any_bf16_input() const { return bf16_input_; }
+  // Whether any layer rounds its activations to bf16 (GetModelInfo's compute_dtype).
+  bool any_bf16_compute() const { return bf16_compute_; }
 
  private:
   StatusOr<dnnl::matmul::primitive_desc> MakePd(int rows, int n, int k, int ld_out, DType dt, bool bias,
@@ -107,7 +117,9 @@ class GemmRuntime {
   std::set<std::string> layers_;
   std::map<std::vector<const Prim*>, std::string> probes_;
   bool bf16_input_ = false;
+  bool bf16_compute_ = false;
   QuantizedRows qrows_;
+  std::vector<uint16_t> amx_rows_;
 };
 
 class Linear {
@@ -122,11 +134,14 @@ class Linear {
   int k() const { return k_; }
   DType dtype() const { return dt_; }
   GemmBackend backend() const {
-    return quant_ ? GemmBackend::kQuant : packed_ ? GemmBackend::kPacked : GemmBackend::kOneDnn;
+    return quant_    ? GemmBackend::kQuant
+           : packed_ ? GemmBackend::kPacked
+           : amx_    ? GemmBackend::kAmx
+                     : GemmBackend::kOneDnn;
   }
-  // The dtype Forward expects x in: the weights' dtype on oneDNN, always f32 on the packed and quantized
-  // backends.
-  DType input_dtype() const { return packed_ || quant_ ? DType::kF32 : dt_; }
+  // The dtype Forward expects x in: the weights' dtype on oneDNN, always f32 on the packed, AMX and
+  // quantized backends.
+  DType input_dtype() const { return packed_ || quant_ || amx_ ? DType::kF32 : dt_; }
   const QuantWeights* quantized() const { return quant_.get(); }
   size_t weight_bytes() const { return weight_bytes_; }
 
@@ -152,6 +167,7 @@ class Linear {
   Status ProbeSameBits(Slice& s);
   GemmRuntime* rt_ = nullptr;
   std::unique_ptr<PackedWeights> packed_;
+  std::unique_ptr<AmxWeights> amx_;
   std::shared_ptr<const QuantWeights> quant_;
   int first_bucket_ = 0;  // buckets below it are padded up to it
   int last_bucket_ = 0;   // oneDNN: M runs in tiles of this bucket's rows
@@ -159,7 +175,7 @@ class Linear {
   DType dt_ = DType::kF32;
   size_t weight_bytes_ = 0;
   std::vector<Slice> slices_;      // oneDNN: one per compute thread (may be empty for tiny n)
-  std::vector<int> panel_bounds_;  // packed: slice t covers panels [bounds[t], bounds[t + 1])
+  std::vector<int> panel_bounds_;  // packed (AMX): slice t covers panels (groups) [bounds[t], bounds[t + 1])
 };
 
 }  // namespace qkv

@@ -207,10 +207,12 @@ class ServerTest(unittest.TestCase):
         # The compute path on this CPU: oneDNN's level, the GEMM activations' dtype, the layers' GEMM.
         self.assertTrue(info.cpu_isa.startswith(("avx2", "avx512")), info.cpu_isa)
         self.assertIn(info.compute_dtype, ("bf16", "f32"))
-        self.assertTrue(info.gemm.startswith(("onednn brg:", "packed")), info.gemm)
+        self.assertTrue(info.gemm.startswith(("onednn brg:", "packed", "amx")), info.gemm)
+        if info.kernel_isa == "amx":  # bf16 weights on an AMX CPU: the engine's own AMX GEMM for every M
+            self.assertEqual(info.gemm, "amx bf16 x bf16")
         if info.cpu_isa == "avx2":  # oneDNN 2.6 has no bf16 matmul there: the engine's own GEMM runs
             self.assertEqual((info.compute_dtype, info.gemm), ("f32", f"packed {info.kernel_isa} f32 x bf16"))
-        self.assertIn(info.kernel_isa, ("avx2", "avx512", "avx512_vnni"))
+        self.assertIn(info.kernel_isa, ("avx2", "avx512", "avx512_vnni", "amx"))
         h = self.s.health
         self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service="")).status, health_pb2.HealthCheckResponse.SERVING)
         self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service=INFER)).status, health_pb2.HealthCheckResponse.SERVING)
