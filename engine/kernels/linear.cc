@@ -393,7 +393,9 @@ void Linear::Forward(const void* x, int m, float* y) const {
     // Each row's int8 image depends on that row only; each output on its row and weight row only. The
     // loops are worksharing loops, so every row and column is computed whatever the team size.
     QuantizedRows& a = rt_->quantized_rows();
+    const size_t before = a.bytes();
     a.Resize(m, k_);
+    if (a.bytes() != before) rt_->NoteStagingResized();
     const auto* xf = static_cast<const float*>(x);
     const int groups = (n_ + kInterleave - 1) / kInterleave;  // slices of whole interleaved groups
 #pragma omp parallel num_threads(nthr)
@@ -414,7 +416,10 @@ void Linear::Forward(const void* x, int m, float* y) const {
     // and weight column only. Worksharing loops: every tile and slice is computed whatever the team size.
     std::vector<uint16_t>& a = rt_->amx_rows();
     const size_t need = AmxWeights::PackedRowsSize(m, k_);
-    if (a.size() < need) a.resize(need);
+    if (a.size() < need) {
+      a.resize(need);
+      rt_->NoteStagingResized();
+    }
     const int mtiles = (m + AmxWeights::kTileRows - 1) / AmxWeights::kTileRows;
     const auto* xf = static_cast<const float*>(x);
 #pragma omp parallel num_threads(nthr)

@@ -22,6 +22,7 @@
 // for each shape, dtype and backend.
 #pragma once
 
+#include <atomic>
 #include <dnnl.hpp>
 #include <map>
 #include <memory>
@@ -77,8 +78,13 @@ class GemmRuntime {
   QuantizedRows& quantized_rows() { return qrows_; }
   // Activations packed for the AMX tiles (engine thread only; sized by Linear::Forward).
   std::vector<uint16_t>& amx_rows() { return amx_rows_; }
+  // The engine thread calls this after resizing quantized_rows() or amx_rows(): scratch_bytes() is read by
+  // the metrics threads, which must not touch the vectors while they grow.
+  void NoteStagingResized() {
+    staging_bytes_.store(qrows_.bytes() + amx_rows_.capacity() * sizeof(uint16_t), std::memory_order_relaxed);
+  }
   size_t scratch_bytes() const {
-    size_t n = qrows_.bytes() + amx_rows_.capacity() * 2;
+    size_t n = staging_bytes_.load(std::memory_order_relaxed);
     for (const auto& s : scratch_) n += s.capacity();
     for (const auto& o : out_) n += o.capacity() * sizeof(float);
     return n;
@@ -120,6 +126,7 @@ class GemmRuntime {
   bool bf16_compute_ = false;
   QuantizedRows qrows_;
   std::vector<uint16_t> amx_rows_;
+  std::atomic<size_t> staging_bytes_{0};
 };
 
 class Linear {
