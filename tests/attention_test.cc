@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "engine/bf16.h"
+#include "engine/kernels/cpu.h"
+#include "test_util.h"
 
 namespace qkv {
 namespace {
@@ -48,7 +50,7 @@ struct Case {
 };
 
 // AttendGroup over n_ctx positions against softmax(q·k/sqrt(d)) v in double over the held values.
-void CheckAttention(const Case& c, int n_ctx) {
+void CheckAttention(const Case& c, int n_ctx, bool compare_levels = false) {
   const int blocks_needed = (n_ctx + c.block_size - 1) / c.block_size;
   KvCacheShape shape{1, c.n_kv_heads, c.head_dim, c.block_size, blocks_needed + 3, c.dt};
   auto kv = KvCache::Create(shape);
@@ -68,10 +70,28 @@ void CheckAttention(const Case& c, int n_ctx) {
   for (float& x : sinks) x = nd(rng);
   AttentionShape as{c.n_heads, c.n_kv_heads, c.head_dim, c.sinks ? sinks.data() : nullptr};
   const int group = c.n_heads / c.n_kv_heads;
-  std::vector<float> scratch(AttentionScratchFloats(group, n_ctx, c.head_dim, c.block_size));
-  std::vector<float> out(q.size(), 0.0f);
-  for (int g = 0; g < c.n_kv_heads; ++g)
-    AttendGroup(**kv, 0, blocks.data(), n_ctx, q.data(), out.data(), as, g, scratch.data());
+  auto attend = [&] {
+    // Scratch full of NaNs: a kernel that reads a lane it did not write poisons its output.
+    std::vector<float> scratch(AttentionScratchFloats(group, n_ctx, c.head_dim, c.block_size), NAN);
+    std::vector<float> o(q.size(), 0.0f);
+    for (int g = 0; g < c.n_kv_heads; ++g)
+      AttendGroup(**kv, 0, blocks.data(), n_ctx, q.data(), o.data(), as, g, scratch.data());
+    return o;
+  };
+  const std::vector<float> out = attend();
+  if (compare_levels) {  // every level the CPU has above avx2 gives the avx2 kernel's bits
+    testing::KernelLevelGuard guard;
+    SetKernelIsaForTesting(KernelIsa::kAvx2);
+    const std::vector<float> base = attend();
+    for (KernelIsa isa : {KernelIsa::kAvx512, KernelIsa::kAmx}) {
+      if (CpuKernelIsa() < isa) continue;
+      SetKernelIsaForTesting(isa);
+      const std::vector<float> o = attend();
+      ASSERT_EQ(0, std::memcmp(o.data(), base.data(), sizeof(float) * o.size()))
+          << KernelIsaName(isa) << " vs avx2: " << DTypeName(c.dt) << " heads " << c.n_heads << "/" << c.n_kv_heads
+          << " hd " << c.head_dim << " bs " << c.block_size << " n_ctx " << n_ctx;
+    }
+  }
   double worst = 0;
   for (int h = 0; h < c.n_heads; ++h) {
     const int g = h / group;
@@ -108,6 +128,24 @@ TEST(Attention, MatchesDoublePrecisionOnEveryCacheDtype) {
           if (hd == 8 && dt != DType::kI8) continue;  // the f32/bf16 paths take any head dim too, but keep it short
           const Case c{dt, nh, nkv, hd, bs, nh == 6};
           for (int n : {1, 17, 40}) CheckAttention(c, n);
+        }
+      }
+    }
+  }
+}
+
+// The kernel's AVX-512 path (kernels/cpu.h levels avx512 and up) gives the AVX2 path's bits on every path of
+// the kernel above, and longer contexts (whole and partial 16-lane exponentials). Skipped where the CPU has
+// no AVX-512.
+TEST(Attention, EveryKernelLevelGivesTheSameBits) {
+  if (CpuKernelIsa() < KernelIsa::kAvx512) GTEST_SKIP() << "CPU kernel level " << KernelIsaName(CpuKernelIsa());
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kI8}) {
+    for (int hd : {8, 24, 64, 128}) {
+      for (auto [nh, nkv] : {std::pair{2, 2}, {6, 2}, {14, 2}, {8, 1}}) {
+        for (int bs : {16, 8}) {
+          if (hd == 8 && dt != DType::kI8) continue;
+          const Case c{dt, nh, nkv, hd, bs, nh == 6};
+          for (int n : {1, 9, 17, 40, 300}) CheckAttention(c, n, true);
         }
       }
     }

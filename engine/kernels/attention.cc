@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "engine/bf16.h"
+#include "engine/kernels/cpu.h"
 #include "engine/kernels/ops.h"
 
 namespace qkv {
@@ -214,6 +215,86 @@ void WeightedSumI8Block(float* const* w, int group, const uint8_t* region, int h
   }
 }
 
+// The f32/bf16 kernels of AttendBody at each kernel level (kernels/cpu.h). Both give the same bits: every
+// lane of a score is one key's FMA chain over the dims in order, then × scale; every output element one FMA
+// chain over the positions in order; FastExp16 runs FastExp8's operations lane by lane; bf16 → f32 and max
+// are exact. tests/attention_test.cc compares the two levels bit for bit.
+struct Avx2Kernels {
+  static void ToF32(const uint8_t* src, int n, DType dt, float* dst) { KvToF32(src, n, dt, dst); }
+  static void Scores16(const float* q, const float* kt, int hd, float scale, float* sc) {
+    BlockScores16(q, kt, hd, scale, sc);
+  }
+  // sc[j] = e^(sc[j] - m) for whole 8-lane vectors over [0, n) (the row is padded to them).
+  static void ExpShift(float* sc, int n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    for (int j = 0; j < n; j += 8) _mm256_storeu_ps(sc + j, FastExp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv)));
+  }
+  template <int HD>
+  static void WeightedSum(const float* w, const float* v, int nj, float* o) {
+    qkv::WeightedSum<HD>(w, v, nj, o);
+  }
+};
+
+#define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+QKV_AVX512 inline __m512 FastExp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+struct Avx512Kernels {
+  QKV_AVX512 static void ToF32(const uint8_t* src, int n, DType dt, float* dst) {
+    if (dt == DType::kF32) {
+      std::memcpy(dst, src, sizeof(float) * n);
+      return;
+    }
+    const auto* s = reinterpret_cast<const uint16_t*>(src);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
+  }
+  QKV_AVX512 static void Scores16(const float* q, const float* kt, int hd, float scale, float* sc) {
+    __m512 a = _mm512_setzero_ps();
+    for (int d = 0; d < hd; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * 16), a);
+    _mm512_storeu_ps(sc, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
+  }
+  QKV_AVX512 static void ExpShift(float* sc, int n, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    int j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(sc + j, FastExp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
+    if (j < n) {  // the row is padded to whole 8-lane vectors only
+      const __m256 m8 = _mm256_set1_ps(m);
+      for (; j < n; j += 8) _mm256_storeu_ps(sc + j, FastExp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m8)));
+    }
+  }
+  template <int HD>
+  QKV_AVX512 static void WeightedSum(const float* w, const float* v, int nj, float* o) {
+    constexpr int V = HD / 16;
+    __m512 acc[V];
+    for (int i = 0; i < V; ++i) acc[i] = _mm512_loadu_ps(o + 16 * i);
+    for (int j = 0; j < nj; ++j) {
+      const __m512 wj = _mm512_set1_ps(w[j]);
+      for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * HD + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
+  }
+};
 }  // namespace
 
 // Within a block, keys are stored transposed ([head_dim][block_size]) so that the scores of a whole
@@ -250,8 +331,12 @@ size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size
          block_size;
 }
 
-void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
-                 const AttentionShape& shape, int g, float* scratch) {
+namespace {
+
+// AttendGroup with the f32/bf16 kernels of one level (the int8 kernels are the AVX2 ones at every level).
+template <class Kernels>
+inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
+                       const AttentionShape& shape, int g, float* scratch) {
   const KvCacheShape& s = kv.shape();
   const int hd = shape.head_dim;
   const int bs = s.block_size;
@@ -290,12 +375,12 @@ void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, con
       }
       continue;
     }
-    ToF32(kv.K(layer, blocks[b], g), hd * bs, s.dtype, blk);  // [hd][bs]
+    Kernels::ToF32(kv.K(layer, blocks[b], g), hd * bs, s.dtype, blk);  // [hd][bs]
     for (int hh = 0; hh < group; ++hh) {
       const float* qh = q + (h0 + hh) * hd;
       float* sc = scores + hh * stride + static_cast<size_t>(b) * bs;
       if (bs == 16) {
-        BlockScores16(qh, blk, hd, scale, sc);
+        Kernels::Scores16(qh, blk, hd, scale, sc);
       } else {
         for (int j = 0; j < bs; ++j) sc[j] = 0.0f;
         for (int d = 0; d < hd; ++d) {
@@ -315,8 +400,7 @@ void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, con
     m = std::max(m, sink);
     // Exponentials 8 at a time over whole vectors (the row is padded to whole blocks; lanes past n_ctx
     // are never read), so a position's weight does not depend on where n_ctx ends.
-    const __m256 mv = _mm256_set1_ps(m);
-    for (int j = 0; j < n_ctx; j += 8) _mm256_storeu_ps(sc + j, FastExp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv)));
+    Kernels::ExpShift(sc, n_ctx, m);
     float sum = Sum(sc, n_ctx);
     if (shape.sinks) sum += FastExp(sink - m);
     const float inv = 1.0f / sum;
@@ -333,14 +417,14 @@ void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, con
       }
       continue;
     }
-    ToF32(kv.V(layer, blocks[b], g), hd * nj, s.dtype, blk);  // [nj][hd]
+    Kernels::ToF32(kv.V(layer, blocks[b], g), hd * nj, s.dtype, blk);  // [nj][hd]
     for (int hh = 0; hh < group; ++hh) {
       const float* w = scores + hh * stride + static_cast<size_t>(b) * bs;
       float* o = out + (h0 + hh) * hd;
       if (hd == 64) {
-        WeightedSum<64>(w, blk, nj, o);
+        Kernels::template WeightedSum<64>(w, blk, nj, o);
       } else if (hd == 128) {
-        WeightedSum<128>(w, blk, nj, o);
+        Kernels::template WeightedSum<128>(w, blk, nj, o);
       } else {
         for (int j = 0; j < nj; ++j) {
           const float wj = w[j];
@@ -350,6 +434,22 @@ void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, con
       }
     }
   }
+}
+
+// flatten: every kernel is inlined here, compiled for AVX-512.
+QKV_AVX512 __attribute__((flatten)) void AttendGroup512(const KvCache& kv, int layer, const int* blocks, int n_ctx,
+                                                        const float* q, float* out, const AttentionShape& shape, int g,
+                                                        float* scratch) {
+  AttendBody<Avx512Kernels>(kv, layer, blocks, n_ctx, q, out, shape, g, scratch);
+}
+
+}  // namespace
+
+void AttendGroup(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
+                 const AttentionShape& shape, int g, float* scratch) {
+  if (ActiveKernelIsa() >= KernelIsa::kAvx512)
+    return AttendGroup512(kv, layer, blocks, n_ctx, q, out, shape, g, scratch);
+  AttendBody<Avx2Kernels>(kv, layer, blocks, n_ctx, q, out, shape, g, scratch);
 }
 
 }  // namespace qkv

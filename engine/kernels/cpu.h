@@ -1,6 +1,6 @@
-// The instruction-set level the engine's own kernels (packed GEMM, quantized GEMM) dispatch to at run time.
-// The binary is compiled for x86-64-v3 (AVX2 + FMA); functions for higher levels carry a target attribute
-// and are called only when the CPU (and the OS, for the 512-bit state) supports them.
+// The instruction-set level the engine's own kernels (packed, quantized and AMX GEMMs, attention) dispatch to
+// at run time. The binary is compiled for x86-64-v3 (AVX2 + FMA); functions for higher levels carry a target
+// attribute and are called only when the CPU (and the OS, for the 512-bit state) supports them.
 //
 // Levels, lowest first:
 //   avx2         AVX2 + FMA (the build's baseline)
