@@ -54,8 +54,6 @@ void StoreKvElement(uint8_t* dst, size_t index, float v, DType dt) {
 
 namespace {
 
-inline void ToF32(const uint8_t* src, int n, DType dt, float* dst) { KvToF32(src, n, dt, dst); }
-
 inline void Store(uint8_t* dst, size_t index, float v, DType dt) { StoreKvElement(dst, index, v, dt); }
 
 // Scores of one head against one block of 16 transposed keys: two 8-lane FMA chains over the dims.
