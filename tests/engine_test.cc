@@ -125,6 +125,7 @@ TEST_P(EngineTest, BatchInvariance) {
     EXPECT_GT(together.final.usage.cached_tokens, 0) << "the second run should hit the prefix cache";
   }
   EXPECT_EQ(engine_->CheckConsistency(), "");
+  engine_->RunOnEngineThread([] {});  // publishes Stats()
   EXPECT_GT(engine_->Stats().prefix_hits_tokens, 0u);
   if (keeps_state()) {
     EXPECT_GT(engine_->Stats().state_snapshots, 0);
@@ -699,6 +700,7 @@ TEST_P(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
   engine_->RunOnEngineThread([] {});
   EXPECT_EQ(engine_->GetSession("", "short", false).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(engine_->GetSession("", "long", false).ok());
+  engine_->RunOnEngineThread([] {});  // publishes Stats()
   EXPECT_EQ(engine_->Stats().session_evictions_ttl, 1u);
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
