@@ -392,10 +392,7 @@ void Linear::Forward(const void* x, int m, float* y) const {
   if (quant_) {
     // Each row's int8 image depends on that row only; each output on its row and weight row only. The
     // loops are worksharing loops, so every row and column is computed whatever the team size.
-    QuantizedRows& a = rt_->quantized_rows();
-    const size_t before = a.bytes();
-    a.Resize(m, k_);
-    if (a.bytes() != before) rt_->NoteStagingResized();
+    QuantizedRows& a = rt_->QuantizedRowsFor(m, k_);
     const auto* xf = static_cast<const float*>(x);
     const int groups = (n_ + kInterleave - 1) / kInterleave;  // slices of whole interleaved groups
 #pragma omp parallel num_threads(nthr)
@@ -414,22 +411,17 @@ void Linear::Forward(const void* x, int m, float* y) const {
   if (amx_) {
     // Rows are packed (rounded to bf16, in tile order) once for all slices; each output depends on its row
     // and weight column only. Worksharing loops: every tile and slice is computed whatever the team size.
-    std::vector<uint16_t>& a = rt_->amx_rows();
-    const size_t need = AmxWeights::PackedRowsSize(m, k_);
-    if (a.size() < need) {
-      a.resize(need);
-      rt_->NoteStagingResized();
-    }
+    uint16_t* a = rt_->AmxRowsFor(AmxWeights::PackedRowsSize(m, k_));
     const int mtiles = (m + AmxWeights::kTileRows - 1) / AmxWeights::kTileRows;
     const auto* xf = static_cast<const float*>(x);
 #pragma omp parallel num_threads(nthr)
     {
 #pragma omp for schedule(static)
       for (int t = 0; t < nthr; ++t) {
-        AmxWeights::PackRows(xf, k_, m, k_, mtiles * t / nthr, mtiles * (t + 1) / nthr, a.data());
+        AmxWeights::PackRows(xf, k_, m, k_, mtiles * t / nthr, mtiles * (t + 1) / nthr, a);
       }
 #pragma omp for schedule(static)
-      for (int t = 0; t < nthr; ++t) amx_->Compute(a.data(), m, panel_bounds_[t], panel_bounds_[t + 1], y, n_);
+      for (int t = 0; t < nthr; ++t) amx_->Compute(a, m, panel_bounds_[t], panel_bounds_[t + 1], y, n_);
     }
     return;
   }

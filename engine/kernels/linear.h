@@ -74,14 +74,20 @@ class GemmRuntime {
   void* scratch(int thread) { return scratch_[thread].data(); }
   // A dense [kTileRows x slice] output buffer per thread (see Linear::Forward).
   float* out(int thread) { return out_[thread].data(); }
-  // Activations quantized for the layers on quantized weights (engine thread only).
-  QuantizedRows& quantized_rows() { return qrows_; }
-  // Activations packed for the AMX tiles (engine thread only; sized by Linear::Forward).
-  std::vector<uint16_t>& amx_rows() { return amx_rows_; }
-  // The engine thread calls this after resizing quantized_rows() or amx_rows(): scratch_bytes() is read by
-  // the metrics threads, which must not touch the vectors while they grow.
-  void NoteStagingResized() {
-    staging_bytes_.store(qrows_.bytes() + amx_rows_.capacity() * sizeof(uint16_t), std::memory_order_relaxed);
+  // Staging for the activations (engine thread only), sized here for rows x cols: quantized for the layers
+  // on quantized weights, packed bf16 tiles (`elems` values) for the AMX ones. Their bytes are published
+  // through an atomic, since scratch_bytes() is read by the metrics threads while these grow.
+  QuantizedRows& QuantizedRowsFor(int rows, int cols) {
+    qrows_.Resize(rows, cols);
+    PublishStagingBytes();
+    return qrows_;
+  }
+  uint16_t* AmxRowsFor(size_t elems) {
+    if (amx_rows_.size() < elems) {
+      amx_rows_.resize(elems);
+      PublishStagingBytes();
+    }
+    return amx_rows_.data();
   }
   size_t scratch_bytes() const {
     size_t n = staging_bytes_.load(std::memory_order_relaxed);
@@ -127,6 +133,10 @@ class GemmRuntime {
   QuantizedRows qrows_;
   std::vector<uint16_t> amx_rows_;
   std::atomic<size_t> staging_bytes_{0};
+
+  void PublishStagingBytes() {
+    staging_bytes_.store(qrows_.bytes() + amx_rows_.capacity() * sizeof(uint16_t), std::memory_order_relaxed);
+  }
 };
 
 class Linear {
