@@ -56,17 +56,25 @@ namespace {
 
 inline void Store(uint8_t* dst, size_t index, float v, DType dt) { StoreKvElement(dst, index, v, dt); }
 
-// Scores of one head against one block of 16 transposed keys: two 8-lane FMA chains over the dims.
-inline void BlockScores16(const float* q, const float* kt, int hd, float scale, float* sc) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+// Scores of NH heads against one block of 16 transposed keys: per head two 8-lane FMA chains over the dims,
+// each key row loaded once for the NH heads (independent chains: one head's chain alone is latency-bound).
+template <int NH>
+inline void BlockScores16(const float* const* q, const float* kt, int hd, float scale, float* const* sc) {
+  __m256 a[NH][2];
+  for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = _mm256_setzero_ps();
   for (int d = 0; d < hd; ++d) {
-    const __m256 qd = _mm256_broadcast_ss(q + d);
-    a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * 16), a0);
-    a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * 16 + 8), a1);
+    const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 qd = _mm256_broadcast_ss(q[h] + d);
+      a[h][0] = _mm256_fmadd_ps(qd, k0, a[h][0]);
+      a[h][1] = _mm256_fmadd_ps(qd, k1, a[h][1]);
+    }
   }
   const __m256 s = _mm256_set1_ps(scale);
-  _mm256_storeu_ps(sc, _mm256_mul_ps(a0, s));
-  _mm256_storeu_ps(sc + 8, _mm256_mul_ps(a1, s));
+  for (int h = 0; h < NH; ++h) {
+    _mm256_storeu_ps(sc[h], _mm256_mul_ps(a[h][0], s));
+    _mm256_storeu_ps(sc[h] + 8, _mm256_mul_ps(a[h][1], s));
+  }
 }
 
 // max over x[0, n) (exact in any order).
@@ -156,17 +164,18 @@ inline void WeightedSumI8(const float* const* w, const int8_t* v, int nj, int hd
 }
 
 // Pass 1 on an int8 block for the group's heads: scores[hh][j] = (q_hh · k_int_j) × s_j / sqrt(hd).
-void BlockScoresI8(const float* const* q, int group, const uint8_t* region, int hd, int bs, float scale,
-                   float* slot_mul, float* const* sc) {
+template <class Kernels>
+inline void BlockScoresI8(const float* const* q, int group, const uint8_t* region, int hd, int bs, float scale,
+                          float* slot_mul, float* const* sc) {
   ScalesI8(region, bs, hd, bs, scale, slot_mul);
   const auto* kt = reinterpret_cast<const int8_t*>(region);
   if (bs == 16) {
     int h = 0;
-    for (; h + 4 <= group; h += 4) BlockScoresI8x16<4>(q + h, kt, hd, slot_mul, sc + h);
+    for (; h + 4 <= group; h += 4) Kernels::template ScoresI8x16<4>(q + h, kt, hd, slot_mul, sc + h);
     switch (group - h) {
-      case 3: BlockScoresI8x16<3>(q + h, kt, hd, slot_mul, sc + h); break;
-      case 2: BlockScoresI8x16<2>(q + h, kt, hd, slot_mul, sc + h); break;
-      case 1: BlockScoresI8x16<1>(q + h, kt, hd, slot_mul, sc + h); break;
+      case 3: Kernels::template ScoresI8x16<3>(q + h, kt, hd, slot_mul, sc + h); break;
+      case 2: Kernels::template ScoresI8x16<2>(q + h, kt, hd, slot_mul, sc + h); break;
+      case 1: Kernels::template ScoresI8x16<1>(q + h, kt, hd, slot_mul, sc + h); break;
       default: break;
     }
     return;
@@ -182,8 +191,9 @@ void BlockScoresI8(const float* const* q, int group, const uint8_t* region, int 
 
 // Pass 2 on an int8 block: w[hh][j] is first multiplied by the value's scale s_j (in place), then
 // o_hh += Σ_j w[hh][j] · v_int_j.
-void WeightedSumI8Block(float* const* w, int group, const uint8_t* region, int hd, int bs, int nj, float* vmul,
-                        float* const* o) {
+template <class Kernels>
+inline void WeightedSumI8Block(float* const* w, int group, const uint8_t* region, int hd, int bs, int nj, float* vmul,
+                               float* const* o) {
   ScalesI8(region, bs, hd, nj, 1.0f, vmul);
   for (int hh = 0; hh < group; ++hh)
     for (int j = 0; j < nj; ++j) w[hh][j] *= vmul[j];
@@ -195,22 +205,7 @@ void WeightedSumI8Block(float* const* w, int group, const uint8_t* region, int h
         for (int d = 0; d < hd; ++d) o[hh][d] += wc[hh][j] * static_cast<float>(v[static_cast<size_t>(j) * hd + d]);
     return;
   }
-  if (group == 1) {
-    if (hd % 64 == 0) return WeightedSumI8<1, 8>(wc, v, nj, hd, o);
-    return WeightedSumI8<1, 2>(wc, v, nj, hd, o);
-  }
-  if (group == 2) {
-    if (hd % 32 == 0) return WeightedSumI8<2, 4>(wc, v, nj, hd, o);
-    return WeightedSumI8<2, 2>(wc, v, nj, hd, o);
-  }
-  int h = 0;
-  for (; h + 4 <= group; h += 4) WeightedSumI8<4, 2>(wc + h, v, nj, hd, o + h);
-  switch (group - h) {
-    case 3: WeightedSumI8<3, 2>(wc + h, v, nj, hd, o + h); break;
-    case 2: WeightedSumI8<2, 2>(wc + h, v, nj, hd, o + h); break;
-    case 1: WeightedSumI8<1, 2>(wc + h, v, nj, hd, o + h); break;
-    default: break;
-  }
+  Kernels::SumI8(wc, group, v, nj, hd, o);
 }
 
 // The f32/bf16 kernels of AttendBody at each kernel level (kernels/cpu.h). Both give the same bits: every
@@ -219,8 +214,16 @@ void WeightedSumI8Block(float* const* w, int group, const uint8_t* region, int h
 // are exact. tests/attention_test.cc compares the two levels bit for bit.
 struct Avx2Kernels {
   static void ToF32(const uint8_t* src, int n, DType dt, float* dst) { KvToF32(src, n, dt, dst); }
-  static void Scores16(const float* q, const float* kt, int hd, float scale, float* sc) {
-    BlockScores16(q, kt, hd, scale, sc);
+  // Scores of heads [0, n) against a block of 16 transposed f32 keys, 4 heads at a time.
+  static void Scores16(const float* const* q, int n, const float* kt, int hd, float scale, float* const* sc) {
+    int h = 0;
+    for (; h + 4 <= n; h += 4) BlockScores16<4>(q + h, kt, hd, scale, sc + h);
+    switch (n - h) {
+      case 3: BlockScores16<3>(q + h, kt, hd, scale, sc + h); break;
+      case 2: BlockScores16<2>(q + h, kt, hd, scale, sc + h); break;
+      case 1: BlockScores16<1>(q + h, kt, hd, scale, sc + h); break;
+      default: break;
+    }
   }
   // sc[j] = e^(sc[j] - m) for whole 8-lane vectors over [0, n) (the row is padded to them).
   static void ExpShift(float* sc, int n, float m) {
@@ -230,6 +233,29 @@ struct Avx2Kernels {
   template <int HD>
   static void WeightedSum(const float* w, const float* v, int nj, float* o) {
     qkv::WeightedSum<HD>(w, v, nj, o);
+  }
+  template <int NH>
+  static void ScoresI8x16(const float* const* q, const int8_t* kt, int hd, const float* slot_mul, float* const* sc) {
+    BlockScoresI8x16<NH>(q, kt, hd, slot_mul, sc);
+  }
+  // hd is a multiple of 16.
+  static void SumI8(const float* const* w, int group, const int8_t* v, int nj, int hd, float* const* o) {
+    if (group == 1) {
+      if (hd % 64 == 0) return WeightedSumI8<1, 8>(w, v, nj, hd, o);
+      return WeightedSumI8<1, 2>(w, v, nj, hd, o);
+    }
+    if (group == 2) {
+      if (hd % 32 == 0) return WeightedSumI8<2, 4>(w, v, nj, hd, o);
+      return WeightedSumI8<2, 2>(w, v, nj, hd, o);
+    }
+    int h = 0;
+    for (; h + 4 <= group; h += 4) WeightedSumI8<4, 2>(w + h, v, nj, hd, o + h);
+    switch (group - h) {
+      case 3: WeightedSumI8<3, 2>(w + h, v, nj, hd, o + h); break;
+      case 2: WeightedSumI8<2, 2>(w + h, v, nj, hd, o + h); break;
+      case 1: WeightedSumI8<1, 2>(w + h, v, nj, hd, o + h); break;
+      default: break;
+    }
   }
 };
 
@@ -267,10 +293,29 @@ struct Avx512Kernels {
     }
     for (; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
   }
-  QKV_AVX512 static void Scores16(const float* q, const float* kt, int hd, float scale, float* sc) {
-    __m512 a = _mm512_setzero_ps();
-    for (int d = 0; d < hd; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * 16), a);
-    _mm512_storeu_ps(sc, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
+  // One 16-lane FMA chain per head over the dims, 8 heads at a time sharing each key row load.
+  template <int NH>
+  QKV_AVX512 static void Scores16Tile(const float* const* q, const float* kt, int hd, float scale, float* const* sc) {
+    __m512 a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; ++d) {
+      const __m512 k = _mm512_loadu_ps(kt + d * 16);
+      for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h][d]), k, a[h]);
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(sc[h], _mm512_mul_ps(a[h], s));
+  }
+  QKV_AVX512 static void Scores16(const float* const* q, int n, const float* kt, int hd, float scale,
+                                  float* const* sc) {
+    int h = 0;
+    for (; h + 8 <= n; h += 8) Scores16Tile<8>(q + h, kt, hd, scale, sc + h);
+    if (h + 4 <= n) Scores16Tile<4>(q + h, kt, hd, scale, sc + h), h += 4;
+    switch (n - h) {
+      case 3: Scores16Tile<3>(q + h, kt, hd, scale, sc + h); break;
+      case 2: Scores16Tile<2>(q + h, kt, hd, scale, sc + h); break;
+      case 1: Scores16Tile<1>(q + h, kt, hd, scale, sc + h); break;
+      default: break;
+    }
   }
   QKV_AVX512 static void ExpShift(float* sc, int n, float m) {
     const __m512 mv = _mm512_set1_ps(m);
@@ -291,6 +336,59 @@ struct Avx512Kernels {
       for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * HD + 16 * i), acc[i]);
     }
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
+  }
+  // The int8 kernels with 16 lanes: a block's 16 keys in one zmm, 16 value dims per zmm. Each lane runs
+  // the AVX2 kernel's chain (over the dims for a score, over the positions for an output element).
+  QKV_AVX512 static __m512 I8x16ToF32(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  template <int NH>
+  QKV_AVX512 static void ScoresI8x16(const float* const* q, const int8_t* kt, int hd, const float* slot_mul,
+                                     float* const* sc) {
+    __m512 a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; ++d) {
+      const __m512 k = I8x16ToF32(kt + d * 16);
+      for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h][d]), k, a[h]);
+    }
+    const __m512 m = _mm512_loadu_ps(slot_mul);
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(sc[h], _mm512_mul_ps(a[h], m));
+  }
+  template <int NH, int ND>
+  QKV_AVX512 static void SumI8Tile(const float* const* w, const int8_t* v, int nj, int hd, float* const* o) {
+    for (int d0 = 0; d0 < hd; d0 += 16 * ND) {
+      __m512 acc[NH][ND];
+      for (int h = 0; h < NH; ++h)
+        for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_loadu_ps(o[h] + d0 + 16 * n);
+      for (int j = 0; j < nj; ++j) {
+        __m512 vf[ND];
+        for (int n = 0; n < ND; ++n) vf[n] = I8x16ToF32(v + static_cast<size_t>(j) * hd + d0 + 16 * n);
+        for (int h = 0; h < NH; ++h) {
+          const __m512 wb = _mm512_set1_ps(w[h][j]);
+          for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_fmadd_ps(wb, vf[n], acc[h][n]);
+        }
+      }
+      for (int h = 0; h < NH; ++h)
+        for (int n = 0; n < ND; ++n) _mm512_storeu_ps(o[h] + d0 + 16 * n, acc[h][n]);
+    }
+  }
+  QKV_AVX512 static void SumI8(const float* const* w, int group, const int8_t* v, int nj, int hd, float* const* o) {
+    if (group == 1) {
+      if (hd % 64 == 0) return SumI8Tile<1, 4>(w, v, nj, hd, o);
+      return SumI8Tile<1, 1>(w, v, nj, hd, o);
+    }
+    if (group == 2) {
+      if (hd % 32 == 0) return SumI8Tile<2, 2>(w, v, nj, hd, o);
+      return SumI8Tile<2, 1>(w, v, nj, hd, o);
+    }
+    int h = 0;
+    for (; h + 4 <= group; h += 4) SumI8Tile<4, 1>(w + h, v, nj, hd, o + h);
+    switch (group - h) {
+      case 3: SumI8Tile<3, 1>(w + h, v, nj, hd, o + h); break;
+      case 2: SumI8Tile<2, 1>(w + h, v, nj, hd, o + h); break;
+      case 1: SumI8Tile<1, 1>(w + h, v, nj, hd, o + h); break;
+      default: break;
+    }
   }
 };
 }  // namespace
@@ -331,7 +429,7 @@ size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size
 
 namespace {
 
-// AttendGroup with the f32/bf16 kernels of one level (the int8 kernels are the AVX2 ones at every level).
+// AttendGroup with the kernels of one level.
 template <class Kernels>
 inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
                        const AttentionShape& shape, int g, float* scratch) {
@@ -348,7 +446,7 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
   float* blk = scratch + static_cast<size_t>(group) * stride;    // one block of K or V as f32
   const bool i8 = s.dtype == DType::kI8;
   float* slot_mul = blk + static_cast<size_t>(hd) * bs;  // int8: one block's scales ([bs])
-  // int8: the group's heads go through the kernels in chunks of up to kChunk, by pointers.
+  // The group's heads go through the kernels in chunks of up to kChunk, by pointers.
   constexpr int kChunk = 32;
   const float* qp[kChunk];
   float* rows[kChunk];
@@ -369,25 +467,28 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     if (i8) {  // int8 keys are read in registers, with no f32 copy of the block
       for (int c0 = 0; c0 < group; c0 += kChunk) {
         const int n = chunk(c0, b);
-        BlockScoresI8(qp, n, kv.K(layer, blocks[b], g), hd, bs, scale, slot_mul, rows);
+        BlockScoresI8<Kernels>(qp, n, kv.K(layer, blocks[b], g), hd, bs, scale, slot_mul, rows);
       }
       continue;
     }
     Kernels::ToF32(kv.K(layer, blocks[b], g), hd * bs, s.dtype, blk);  // [hd][bs]
+    if (bs == 16) {
+      for (int c0 = 0; c0 < group; c0 += kChunk) {
+        const int n = chunk(c0, b);
+        Kernels::Scores16(qp, n, blk, hd, scale, rows);
+      }
+      continue;
+    }
     for (int hh = 0; hh < group; ++hh) {
       const float* qh = q + (h0 + hh) * hd;
       float* sc = scores + hh * stride + static_cast<size_t>(b) * bs;
-      if (bs == 16) {
-        Kernels::Scores16(qh, blk, hd, scale, sc);
-      } else {
-        for (int j = 0; j < bs; ++j) sc[j] = 0.0f;
-        for (int d = 0; d < hd; ++d) {
-          const float qd = qh[d];
-          const float* kd = blk + static_cast<size_t>(d) * bs;
-          for (int j = 0; j < bs; ++j) sc[j] += qd * kd[j];
-        }
-        for (int j = 0; j < bs; ++j) sc[j] *= scale;
+      for (int j = 0; j < bs; ++j) sc[j] = 0.0f;
+      for (int d = 0; d < hd; ++d) {
+        const float qd = qh[d];
+        const float* kd = blk + static_cast<size_t>(d) * bs;
+        for (int j = 0; j < bs; ++j) sc[j] += qd * kd[j];
       }
+      for (int j = 0; j < bs; ++j) sc[j] *= scale;
     }
   }
   // Softmax per head over [0, n_ctx), with the optional sink in the denominator.
@@ -411,7 +512,7 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     if (i8) {
       for (int c0 = 0; c0 < group; c0 += kChunk) {
         const int n = chunk(c0, b);
-        WeightedSumI8Block(rows, n, kv.V(layer, blocks[b], g), hd, bs, nj, slot_mul, outs);
+        WeightedSumI8Block<Kernels>(rows, n, kv.V(layer, blocks[b], g), hd, bs, nj, slot_mul, outs);
       }
       continue;
     }
