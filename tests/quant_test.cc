@@ -165,6 +165,28 @@ float Emulate(GgmlType t, const uint8_t* row, const float* x, int k) {
   return (s0 + s2) + (s1 + s3);
 }
 
+// The same for a row kept in a panel (quant_panel.h): one accumulator, acc = fma(Σ_{32} w·a, w_scale ×
+// a_scale, acc) per block in order, no lanes.
+float EmulatePanel(GgmlType t, const uint8_t* row, const float* x, int k) {
+  std::vector<int8_t> wq(k), aq(k);
+  std::vector<float> sc(k / 16), off(k / 16), as(k / 32);
+  DecodeRowI8(t, row, k, wq.data(), sc.data(), off.data());
+  float acc = 0;
+  for (int b = 0; b < k / 32; ++b) {
+    float mx = 0;
+    for (int j = 0; j < 32; ++j) mx = std::max(mx, std::fabs(x[32 * b + j]));
+    as[b] = mx / 127.0f;
+    const float id = mx != 0 ? 127.0f / mx : 0.0f;
+    int dot = 0;
+    for (int j = 0; j < 32; ++j) {
+      aq[32 * b + j] = static_cast<int8_t>(std::nearbyint(x[32 * b + j] * id));
+      dot += wq[32 * b + j] * aq[32 * b + j];
+    }
+    acc = std::fma(static_cast<float>(dot), sc[2 * b] * as[b], acc);
+  }
+  return acc;
+}
+
 std::unique_ptr<Linear> MakeQuantLinear(GemmRuntime& rt, GgmlType t, const std::vector<uint8_t>& q, int n, int k,
                                         const float* bias) {
   auto w = std::make_shared<const QuantWeights>(std::vector<QuantWeights::Part>{{t, n, q.data()}}, k, bias);
@@ -189,7 +211,8 @@ std::vector<KernelIsa> KernelLevels() {
 
 // The kernel gives exactly the bits of the lane-by-lane scalar description, for every type, at every
 // kernel level this CPU has (AVX2 maddubs; AVX-512 VNNI two columns per zmm), and for tiles of every shape
-// (M = 1..9 covers the 1-row and 4-row tiles and their remainders; N = 37 the 4-, 2- and 1-column ones).
+// (M = 1..9 covers the 1-, 2-, 4- and 8-row tiles and their remainders; N = 37 two panels of 16 for the
+// types that have them, then the 4-, 2- and 1-column row-wise tiles).
 TEST(QuantLinear, MatchesScalarDescriptionBitForBit) {
   const int k = 512, n = 37;
   GemmRuntime rt(2);
@@ -207,13 +230,47 @@ TEST(QuantLinear, MatchesScalarDescriptionBitForBit) {
         lin->Forward(x.data(), m, y.data());
         for (int r = 0; r < m; ++r)
           for (int c = 0; c < n; ++c) {
-            const float e = Emulate(t, &q[GgmlRowBytes(t, k) * c], &x[static_cast<size_t>(r) * k], k);
+            const bool panel = lin->quantized()->InPanel(c);
+            const float e =
+                (panel ? EmulatePanel : Emulate)(t, &q[GgmlRowBytes(t, k) * c], &x[static_cast<size_t>(r) * k], k);
             const float got = y[static_cast<size_t>(r) * n + c];
-            ASSERT_EQ(0, std::memcmp(&e, &got, 4)) << KernelIsaName(level) << " " << GgmlTypeName(t) << " m " << m
-                                                   << " row " << r << " col " << c << ": " << got << " vs " << e;
+            ASSERT_EQ(0, std::memcmp(&e, &got, 4))
+                << KernelIsaName(level) << " " << GgmlTypeName(t) << " m " << m << " row " << r << " col " << c
+                << (panel ? " (panel)" : "") << ": " << got << " vs " << e;
           }
       }
     }
+  }
+}
+
+// Whole sixteens of rows of the panel types are panels, the rest row-wise, part by part; every row expands
+// to the file's values whatever its storage.
+TEST(QuantLinear, PanelsHoldWholeSixteensAndExpandToTheFilesValues) {
+  const int k = 256;
+  for (GgmlType t : kQuantTypes) {
+    const bool has = t == GgmlType::kQ4_0 || t == GgmlType::kQ5_0 || t == GgmlType::kQ8_0 || t == GgmlType::kIQ4_NL;
+    const auto a = Encode(t, Normal(static_cast<size_t>(37) * k, 21, 0.05f), 37, k);
+    const auto b = Encode(GgmlType::kQ8_0, Normal(static_cast<size_t>(18) * k, 22, 0.05f), 18, k);
+    const QuantWeights w({{t, 37, a.data()}, {GgmlType::kQ8_0, 18, b.data()}}, k, nullptr);
+    ASSERT_EQ(w.n(), 55);
+    for (int r = 0; r < 55; ++r) {
+      const bool expect = r < 37 ? has && r < 32 : r < 37 + 16;
+      EXPECT_EQ(w.InPanel(r), expect) << GgmlTypeName(t) << " row " << r;
+      const int unit = w.UnitStart(r);
+      EXPECT_LE(unit, r);
+      if (w.InPanel(r)) {
+        EXPECT_EQ(unit, r < 37 ? r / 16 * 16 : 37) << GgmlTypeName(t) << " row " << r;
+      }
+      std::vector<float> got(k), want(k);
+      w.DequantizeRow(r, got.data());
+      if (r < 37) {
+        DequantizeRow(t, &a[GgmlRowBytes(t, k) * r], k, want.data());
+      } else {
+        DequantizeRow(GgmlType::kQ8_0, &b[GgmlRowBytes(GgmlType::kQ8_0, k) * (r - 37)], k, want.data());
+      }
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * k)) << GgmlTypeName(t) << " row " << r;
+    }
+    EXPECT_EQ(w.UnitStart(55), 55);
   }
 }
 
@@ -225,7 +282,8 @@ TEST(QuantLinear, RowsAreIndependentOfMAndThreads) {
   testing::KernelLevelGuard guard;
   for (KernelIsa level : KernelLevels()) {
     SetKernelIsaForTesting(level);
-    for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_1, GgmlType::kIQ4_XS}) {
+    for (GgmlType t :
+         {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_1, GgmlType::kIQ4_XS}) {
       const auto q = Encode(t, Normal(static_cast<size_t>(n) * k, 7, 0.05f), n, k);
       auto lin2 = MakeQuantLinear(rt2, t, q, n, k, bias.data());
       auto lin1 = MakeQuantLinear(rt1, t, q, n, k, bias.data());

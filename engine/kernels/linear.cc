@@ -394,16 +394,16 @@ void Linear::Forward(const void* x, int m, float* y) const {
     // loops are worksharing loops, so every row and column is computed whatever the team size.
     QuantizedRows& a = rt_->QuantizedRowsFor(m, k_);
     const auto* xf = static_cast<const float*>(x);
-    const int groups = (n_ + kInterleave - 1) / kInterleave;  // slices of whole interleaved groups
 #pragma omp parallel num_threads(nthr)
     {
 #pragma omp for schedule(static)
       for (int t = 0; t < nthr; ++t) a.Quantize(xf, m * t / nthr, m * (t + 1) / nthr);
 #pragma omp for schedule(static)
       for (int t = 0; t < nthr; ++t) {
-        const int g0 = static_cast<int>(static_cast<int64_t>(groups) * t / nthr);
-        const int g1 = static_cast<int>(static_cast<int64_t>(groups) * (t + 1) / nthr);
-        quant_->Compute(a, std::min(n_, g0 * kInterleave), std::min(n_, g1 * kInterleave), y, n_);
+        // Slices of whole units (panels, interleaved groups).
+        const int c0 = quant_->UnitStart(static_cast<int>(static_cast<int64_t>(n_) * t / nthr));
+        const int c1 = quant_->UnitStart(static_cast<int>(static_cast<int64_t>(n_) * (t + 1) / nthr));
+        quant_->Compute(a, c0, c1, y, n_);
       }
     }
     return;

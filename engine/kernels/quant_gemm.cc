@@ -8,6 +8,8 @@
 #include <string>
 #include <type_traits>
 
+#include "engine/kernels/quant_panel.h"
+
 namespace qkv {
 namespace {
 
@@ -512,7 +514,7 @@ void Dot(bool vnni, GgmlType t, const uint8_t* const* w, size_t stride, int n, i
 void QuantizedRows::Resize(int rows, int cols) {
   m = rows, k = cols;
   const size_t n = static_cast<size_t>(rows) * cols;
-  if (q.size() < n) q.resize(n), scale.resize(n / 32), sum4.resize(n / 4);
+  if (q.size() < n) q.resize(n), scale.resize(n / 32), sum4.resize(n / 4), sum32.resize(n / 32);
 }
 
 void QuantizedRows::Quantize(const float* x, int r0, int r1) {
@@ -525,6 +527,7 @@ void QuantizedRows::Quantize(const float* x, int r0, int r1) {
     int8_t* qr = q.data() + static_cast<size_t>(r) * k;
     float* sr = scale.data() + static_cast<size_t>(r) * (k / 32);
     float* s4 = sum4.data() + static_cast<size_t>(r) * (k / 4);
+    int32_t* s32 = sum32.data() + static_cast<size_t>(r) * (k / 32);
     for (int b = 0; b < k / 32; ++b) {
       __m256 v[4];
       __m256 amax = _mm256_setzero_ps();
@@ -546,6 +549,9 @@ void QuantizedRows::Quantize(const float* x, int r0, int r1) {
       sr[b] = d;
       const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
       _mm256_storeu_ps(s4 + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d)));
+      const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4E));
+      s32[b] = _mm_cvtsi128_si32(_mm_add_epi32(s1, _mm_shuffle_epi32(s1, 0xB1)));
     }
   }
 }
@@ -561,18 +567,26 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
   for (const Part& p : parts) {
     const size_t rb = GgmlRowBytes(p.type, k), bb = GgmlBlockBytes(p.type), nb = rb / bb;
     int r = 0;
-    // Whole groups of kInterleave rows: block b of row i of the group at (b × kInterleave + i) × bb.
+    // Whole panels first, where the type has a panel kernel and k is whole blocks.
+    if (HasPanelKernel(p.type) && k % 32 == 0) {
+      for (; r + kPanelRows <= p.rows; r += kPanelRows) {
+        RepackPanel(p.type, p.data + rb * r, rb, k, &data_[off]);
+        for (int i = 0; i < kPanelRows; ++i) rows_.push_back({p.type, off, 0, n_ + r, true});
+        off += rb * kPanelRows;
+      }
+    }
+    // Whole groups of kInterleave: block b of row i of the group at (b × kInterleave + i) × bb.
     for (; r + kInterleave <= p.rows; r += kInterleave) {
       for (int i = 0; i < kInterleave; ++i) {
         const uint8_t* src = p.data + rb * (r + i);
         for (size_t b = 0; b < nb; ++b) std::memcpy(&data_[off + (b * kInterleave + i) * bb], src + b * bb, bb);
-        rows_.push_back({p.type, off + i * bb, kInterleave * bb});
+        rows_.push_back({p.type, off + i * bb, kInterleave * bb, n_ + r, false});
       }
       off += rb * kInterleave;
     }
     for (; r < p.rows; ++r) {
       std::memcpy(&data_[off], p.data + rb * r, rb);
-      rows_.push_back({p.type, off, bb});
+      rows_.push_back({p.type, off, bb, n_ + r, false});
       off += rb;
     }
     n_ += p.rows;
@@ -599,36 +613,45 @@ std::string QuantWeights::types() const {
 void QuantWeights::DequantizeRow(int r, float* dst) const {
   const Row& row = rows_[r];
   const int bs = static_cast<int>(GgmlBlockSize(row.type));
-  for (int b = 0; b < k_ / bs; ++b)
-    qkv::DequantizeRow(row.type, data_.data() + row.offset + b * row.stride, bs, dst + b * bs);
+  uint8_t blk[256];
+  for (int b = 0; b < k_ / bs; ++b) {
+    const uint8_t* src = data_.data() + row.offset + b * row.stride;
+    if (row.panel) {
+      PanelBlock(row.type, data_.data() + row.offset, b, r - row.unit, blk);
+      src = blk;
+    }
+    qkv::DequantizeRow(row.type, src, bs, dst + b * bs);
+  }
 }
 
 void QuantWeights::Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const {
-  // Columns in runs of one type, 64 at a time (the tile's output stays in L1).
+  // Columns in runs of one type, 64 at a time (the tile's output stays in L1); a panel is a run of its own.
   constexpr int kRun = 64;
   thread_local std::vector<float> out;
   out.resize(static_cast<size_t>(a.m) * kRun);
   const bool vnni = Level() == KernelIsa::kAvx512Vnni;
   const uint8_t* w[kRun];
   for (int c = c0; c < c1;) {
-    int n = 0;
+    int n = 0, first = c;  // out holds columns first .. first + n − 1
     const GgmlType t = rows_[c].type;
-    const size_t stride = rows_[c].stride;
-    while (c + n < c1 && n < kRun && rows_[c + n].type == t && rows_[c + n].stride == stride) {
-      w[n] = data_.data() + rows_[c + n].offset;
-      ++n;
-    }
-    Dot(vnni, t, w, stride, n, k_, a, out.data(), kRun);
-    for (int r = 0; r < a.m; ++r) {
-      float* yr = y + static_cast<size_t>(r) * ldy + c;
-      const float* o = out.data() + static_cast<size_t>(r) * kRun;
-      if (bias_.empty()) {
-        std::memcpy(yr, o, sizeof(float) * n);
-      } else {
-        for (int i = 0; i < n; ++i) yr[i] = o[i] + bias_[c + i];
+    if (rows_[c].panel) {
+      first = rows_[c].unit;
+      PanelDot(vnni, t, data_.data() + rows_[c].offset, k_, a, out.data(), kRun);
+      n = std::min(c1, first + kPanelRows) - first;
+    } else {
+      const size_t stride = rows_[c].stride;
+      while (c + n < c1 && n < kRun && !rows_[c + n].panel && rows_[c + n].type == t && rows_[c + n].stride == stride) {
+        w[n] = data_.data() + rows_[c + n].offset;
+        ++n;
       }
+      Dot(vnni, t, w, stride, n, k_, a, out.data(), kRun);
     }
-    c += n;
+    for (int r = 0; r < a.m; ++r) {
+      float* yr = y + static_cast<size_t>(r) * ldy;
+      const float* o = out.data() + static_cast<size_t>(r) * kRun - first;
+      for (int i = c; i < first + n; ++i) yr[i] = bias_.empty() ? o[i] : o[i] + bias_[i];
+    }
+    c = first + n;
   }
 }
 

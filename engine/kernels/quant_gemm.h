@@ -26,18 +26,23 @@ namespace qkv {
 // m rows of k activations as int8 with their per-32 scales and per-4 sums (see above).
 struct QuantizedRows {
   int m = 0, k = 0;
-  std::vector<int8_t> q;     // [m][k]
-  std::vector<float> scale;  // [m][k / 32]
-  std::vector<float> sum4;   // [m][k / 4]: scale × (sum of 4 consecutive q)
+  std::vector<int8_t> q;       // [m][k]
+  std::vector<float> scale;    // [m][k / 32]
+  std::vector<float> sum4;     // [m][k / 4]: scale × (sum of 4 consecutive q)
+  std::vector<int32_t> sum32;  // [m][k / 32]: sum of the block's q (for the panels' unsigned weights)
   // Quantizes rows [r0, r1) of x (row stride k); Resize first.
   void Resize(int rows, int cols);
   void Quantize(const float* x, int r0, int r1);
-  size_t bytes() const { return q.capacity() + (scale.capacity() + sum4.capacity()) * sizeof(float); }
+  size_t bytes() const {
+    return q.capacity() + (scale.capacity() + sum4.capacity()) * sizeof(float) + sum32.capacity() * sizeof(int32_t);
+  }
 };
 
-// Rows are stored in groups of kInterleave whose blocks alternate (row 0 block 0, row 1 block 0, ...,
-// row 0 block 1, ...): decode reads a group as one sequential stream. Rows past the last whole group are
-// stored one after another. The bytes are the file's, reordered; nothing is added.
+// Rows of the 32-value types with a panel kernel (Q4_0, Q5_0, Q8_0, IQ4_NL) are stored in panels of 16
+// (quant_panel.h), as far as a part has whole panels. Other rows are stored in groups of kInterleave whose
+// blocks alternate (row 0 block 0, row 1 block 0, ..., row 0 block 1, ...): decode reads a group as one
+// sequential stream. Rows past the last whole group are stored one after another. The bytes are the
+// file's, reordered; nothing is added. Which kernel computes a row depends on its place in its part only.
 inline constexpr int kInterleave = 4;
 
 class QuantWeights {
@@ -61,15 +66,22 @@ class QuantWeights {
   static KernelIsa Level();
   // Row r expanded to f32 (as DequantizeRow).
   void DequantizeRow(int r, float* dst) const;
+  // Whether row r is computed by the panel kernel (quant_panel.h) rather than the row-wise one.
+  bool InPanel(int r) const { return rows_[r].panel; }
+  // The first column of the unit (panel, interleaved group or single row) that column c belongs to; n() for
+  // c = n(). Slices that start and end on unit starts read every unit whole.
+  int UnitStart(int c) const { return c >= n_ ? n_ : rows_[c].unit; }
   // y[i, c] for rows i < a.m and columns c in [c0, c1); y has row stride ldy. Column ranges that start
-  // and end on multiples of kInterleave read whole groups.
+  // and end on unit starts (UnitStart) read whole units; others compute a cut panel whole.
   void Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const;
 
  private:
   struct Row {
     GgmlType type;
-    size_t offset;  // of its first block
-    size_t stride;  // bytes from one of its blocks to the next
+    size_t offset;  // of its first block (for a panel row: of its panel)
+    size_t stride;  // bytes from one of its blocks to the next (row-wise storage)
+    int unit;       // first column of its unit
+    bool panel;     // offset is a panel's; the row is lane (column − unit) of it
   };
   int n_ = 0, k_ = 0;
   bool whole_blocks_ = true;
