@@ -165,24 +165,34 @@ float Emulate(GgmlType t, const uint8_t* row, const float* x, int k) {
   return (s0 + s2) + (s1 + s3);
 }
 
-// The same for a row kept in a panel (quant_panel.h): one accumulator, acc = fma(Σ_{32} w·a, w_scale ×
-// a_scale, acc) per block in order, no lanes.
+// The same for a row kept in a panel (quant_panel.h): one accumulator and, per 32-block in order, the exact
+// Σ w·a of the block (Q6_K: of each 16 values, with that 16's scale) added as acc = fma(Σ w·a, w_scale ×
+// a_scale, acc), then for the types with a minimum acc = fma(−w_offset, float(Σ a) × a_scale, acc).
 float EmulatePanel(GgmlType t, const uint8_t* row, const float* x, int k) {
   std::vector<int8_t> wq(k), aq(k);
-  std::vector<float> sc(k / 16), off(k / 16), as(k / 32);
+  std::vector<float> sc(k / 16), off(k / 16);
   DecodeRowI8(t, row, k, wq.data(), sc.data(), off.data());
+  const bool per16 = t == GgmlType::kQ6_K;
+  const bool has_off = t == GgmlType::kQ4_1 || t == GgmlType::kQ5_1 || t == GgmlType::kQ4_K || t == GgmlType::kQ5_K;
   float acc = 0;
   for (int b = 0; b < k / 32; ++b) {
     float mx = 0;
     for (int j = 0; j < 32; ++j) mx = std::max(mx, std::fabs(x[32 * b + j]));
-    as[b] = mx / 127.0f;
+    const float as = mx / 127.0f;
     const float id = mx != 0 ? 127.0f / mx : 0.0f;
-    int dot = 0;
+    int dot[2] = {}, sa = 0;
     for (int j = 0; j < 32; ++j) {
       aq[32 * b + j] = static_cast<int8_t>(std::nearbyint(x[32 * b + j] * id));
-      dot += wq[32 * b + j] * aq[32 * b + j];
+      dot[j / 16] += wq[32 * b + j] * aq[32 * b + j];
+      sa += aq[32 * b + j];
     }
-    acc = std::fma(static_cast<float>(dot), sc[2 * b] * as[b], acc);
+    if (per16) {
+      acc = std::fma(static_cast<float>(dot[0]), sc[2 * b] * as, acc);
+      acc = std::fma(static_cast<float>(dot[1]), sc[2 * b + 1] * as, acc);
+    } else {
+      acc = std::fma(static_cast<float>(dot[0] + dot[1]), sc[2 * b] * as, acc);
+      if (has_off) acc = std::fma(-off[2 * b], static_cast<float>(sa) * as, acc);
+    }
   }
   return acc;
 }
@@ -248,7 +258,7 @@ TEST(QuantLinear, MatchesScalarDescriptionBitForBit) {
 TEST(QuantLinear, PanelsHoldWholeSixteensAndExpandToTheFilesValues) {
   const int k = 256;
   for (GgmlType t : kQuantTypes) {
-    const bool has = t == GgmlType::kQ4_0 || t == GgmlType::kQ5_0 || t == GgmlType::kQ8_0 || t == GgmlType::kIQ4_NL;
+    const bool has = t != GgmlType::kQ2_K && t != GgmlType::kQ3_K;  // the types with a panel kernel
     const auto a = Encode(t, Normal(static_cast<size_t>(37) * k, 21, 0.05f), 37, k);
     const auto b = Encode(GgmlType::kQ8_0, Normal(static_cast<size_t>(18) * k, 22, 0.05f), 18, k);
     const QuantWeights w({{t, 37, a.data()}, {GgmlType::kQ8_0, 18, b.data()}}, k, nullptr);

@@ -514,7 +514,7 @@ void Dot(bool vnni, GgmlType t, const uint8_t* const* w, size_t stride, int n, i
 void QuantizedRows::Resize(int rows, int cols) {
   m = rows, k = cols;
   const size_t n = static_cast<size_t>(rows) * cols;
-  if (q.size() < n) q.resize(n), scale.resize(n / 32), sum4.resize(n / 4), sum32.resize(n / 32);
+  if (q.size() < n) q.resize(n), scale.resize(n / 32), sum4.resize(n / 4), sum16.resize(n / 16), sum32.resize(n / 32);
 }
 
 void QuantizedRows::Quantize(const float* x, int r0, int r1) {
@@ -527,6 +527,7 @@ void QuantizedRows::Quantize(const float* x, int r0, int r1) {
     int8_t* qr = q.data() + static_cast<size_t>(r) * k;
     float* sr = scale.data() + static_cast<size_t>(r) * (k / 32);
     float* s4 = sum4.data() + static_cast<size_t>(r) * (k / 4);
+    int32_t* s16 = sum16.data() + static_cast<size_t>(r) * (k / 16);
     int32_t* s32 = sum32.data() + static_cast<size_t>(r) * (k / 32);
     for (int b = 0; b < k / 32; ++b) {
       __m256 v[4];
@@ -549,9 +550,11 @@ void QuantizedRows::Quantize(const float* x, int r0, int r1) {
       sr[b] = d;
       const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
       _mm256_storeu_ps(s4 + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d)));
-      const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-      const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4E));
-      s32[b] = _mm_cvtsi128_si32(_mm_add_epi32(s1, _mm_shuffle_epi32(s1, 0xB1)));
+      const __m256i h2 = _mm256_hadd_epi32(s, s);    // per 8 values, in each half
+      const __m256i h4 = _mm256_hadd_epi32(h2, h2);  // per 16 values: lane 0 and lane 4
+      s16[2 * b] = _mm256_cvtsi256_si32(h4);
+      s16[2 * b + 1] = _mm256_extract_epi32(h4, 4);
+      s32[b] = s16[2 * b] + s16[2 * b + 1];
     }
   }
 }
@@ -568,7 +571,7 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
     const size_t rb = GgmlRowBytes(p.type, k), bb = GgmlBlockBytes(p.type), nb = rb / bb;
     int r = 0;
     // Whole panels first, where the type has a panel kernel and k is whole blocks.
-    if (HasPanelKernel(p.type) && k % 32 == 0) {
+    if (HasPanelKernel(p.type) && k % GgmlBlockSize(p.type) == 0) {
       for (; r + kPanelRows <= p.rows; r += kPanelRows) {
         RepackPanel(p.type, p.data + rb * r, rb, k, &data_[off]);
         for (int i = 0; i < kPanelRows; ++i) rows_.push_back({p.type, off, 0, n_ + r, true});

@@ -1,8 +1,10 @@
 // The GEMM on weights kept in ggml's quantized block formats (quant.h): y[M, N] = x[M, K] · Wᵀ (+ b).
 //
 // Activations are quantized to int8 per row and per block of 32 values (scale = max|x| / 127, rounded to
-// nearest), never per batch, so a row's int8 image does not depend on the other rows. A weight row is
-// decoded to int8 values and per-16 scales and offsets (DecodeRowI8), and each output is
+// nearest), never per batch, so a row's int8 image does not depend on the other rows. Weight rows in
+// panels of 16 (most types; quant_panel.h) give each output one accumulator that takes each block's exact
+// int32 sum. The other rows (Q2_K, Q3_K, and rows past a part's last whole panel) are decoded to int8
+// values and per-16 scales and offsets (DecodeRowI8), and each output is
 //   Σ over 32-blocks b, in order, of 8 lanes: lane i += float(Σ_{4 values} w·a) · (w_scale · a_scale)
 //                                             − w_offset · (a_scale · Σ_{4 values} a)
 // with integer products summed exactly in int32 and the 8 lanes added in a fixed order at the end. The
@@ -29,17 +31,19 @@ struct QuantizedRows {
   std::vector<int8_t> q;       // [m][k]
   std::vector<float> scale;    // [m][k / 32]
   std::vector<float> sum4;     // [m][k / 4]: scale × (sum of 4 consecutive q)
-  std::vector<int32_t> sum32;  // [m][k / 32]: sum of the block's q (for the panels' unsigned weights)
+  std::vector<int32_t> sum16;  // [m][k / 16]: sum of 16 consecutive q (for the panels, quant_panel.h)
+  std::vector<int32_t> sum32;  // [m][k / 32]: sum of the block's q
   // Quantizes rows [r0, r1) of x (row stride k); Resize first.
   void Resize(int rows, int cols);
   void Quantize(const float* x, int r0, int r1);
   size_t bytes() const {
-    return q.capacity() + (scale.capacity() + sum4.capacity()) * sizeof(float) + sum32.capacity() * sizeof(int32_t);
+    return q.capacity() + (scale.capacity() + sum4.capacity()) * sizeof(float) +
+           (sum16.capacity() + sum32.capacity()) * sizeof(int32_t);
   }
 };
 
-// Rows of the 32-value types with a panel kernel (Q4_0, Q5_0, Q8_0, IQ4_NL) are stored in panels of 16
-// (quant_panel.h), as far as a part has whole panels. Other rows are stored in groups of kInterleave whose
+// Rows of the types with a panel kernel (all but Q2_K and Q3_K) are stored in panels of 16 (quant_panel.h),
+// as far as a part has whole panels. Other rows are stored in groups of kInterleave whose
 // blocks alternate (row 0 block 0, row 1 block 0, ..., row 0 block 1, ...): decode reads a group as one
 // sequential stream. Rows past the last whole group are stored one after another. The bytes are the
 // file's, reordered; nothing is added. Which kernel computes a row depends on its place in its part only.

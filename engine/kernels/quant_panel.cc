@@ -11,26 +11,347 @@ namespace {
 
 #define QKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-// Per type: the bytes of a block, where the masks and quants start in a panel block, and how the integer
-// dot products see the weights. On AVX-512 VNNI every type goes in as unsigned bytes w + kBias and the
-// int32 starts at −kBias × Σ a; on AVX2 the 4- and 5-bit codes go in unsigned the same way (maddubs cannot
-// saturate: 2 × 31 × 127 < 2^15) and Q8_0 / IQ4_NL signed, through |w| and a × sign(w).
-struct PanelFormat {
-  int block_bytes;  // of one row's block in the file
-  int mask_at;      // Q5_0's fifth-bit masks (0: none)
-  int quant_at;     // the quant rows
-  int bias;         // kBias above
-};
-constexpr PanelFormat Format(GgmlType t) {
-  switch (t) {
-    case GgmlType::kQ4_0: return {18, 0, 32, 8};
-    case GgmlType::kIQ4_NL: return {18, 0, 32, 128};
-    case GgmlType::kQ5_0: return {22, 32, 96, 16};
-    case GgmlType::kQ8_0: return {34, 0, 32, 128};
-    default: return {0, 0, 0, 0};
-  }
+// ---- Helpers on 64-byte panel rows: on AVX-512 the whole row (16 panel rows, one per 32-bit lane), on
+// AVX2 half h of it (panel rows 8h..8h+7).
+QKV_AVX512_VNNI inline __m512i Row512(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline __m256i Row256(const uint8_t* p, int h) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
 }
-constexpr size_t PanelBlockBytes(GgmlType t) { return static_cast<size_t>(kPanelRows) * Format(t).block_bytes; }
+QKV_AVX512_VNNI inline __m512 F16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m256 F16x8(const uint8_t* p, int h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+}
+QKV_AVX512_VNNI inline __m512i Lo4x64(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+QKV_AVX512_VNNI inline __m512i Hi4x64(__m512i v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+}
+inline __m256i Lo4x32(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i Hi4x32(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+// A 64-bit mask (bit 4c + i: panel row c, value i of a quad) as bytes 0x10 or 0.
+QKV_AVX512_VNNI inline __m512i Fifth512(const uint8_t* p) {
+  uint64_t m;
+  std::memcpy(&m, p, 8);
+  return _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(0x10));
+}
+// Its half h (32 bits) as bytes 0x10 or 0.
+inline __m256i Fifth256(const uint8_t* p, int h) {
+  uint32_t x;
+  std::memcpy(&x, p + 4 * h, 4);
+  const __m256i rep =
+      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)),
+                          _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(0x10));
+}
+// The IQ4 codebook: plus 128 (unsigned, AVX-512) or as is (signed, AVX2).
+QKV_AVX512_VNNI inline __m512i Iq4Book512(__m512i idx) {
+  const __m512i book = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141),
+                    static_cast<char>(153), static_cast<char>(166), static_cast<char>(181), static_cast<char>(197),
+                    static_cast<char>(217), static_cast<char>(241)));
+  return _mm512_shuffle_epi8(book, idx);
+}
+inline __m256i Iq4Book256(__m256i idx) {
+  const __m256i book = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  return _mm256_shuffle_epi8(book, idx);
+}
+// Byte `i` (0..3) of each 32-bit lane, as floats.
+QKV_AVX512_VNNI inline __m512 Byte512(__m512i v, int i) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * i)), _mm512_set1_epi32(0xFF)));
+}
+inline __m256 Byte256(__m256i v, int i) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * i)), _mm256_set1_epi32(0xFF)));
+}
+
+// ---- The formats. Each gives, for panel block `d` (kValues values of 16 rows), sub-block j (32 values) and
+// quad t (values 4t..4t+3 of the sub-block): the weights as bytes (W512: unsigned w + kBias; W256: unsigned
+// w + kBias, or signed w where kSigned2), the scale of the sub-block (or of its half for kPer16) and, where
+// kOff, the offset (value = scale × q − offset, DecodeRowI8's view). Chunks(c, f) lists where the file's
+// bytes of row c go: f(file offset, panel offset, bytes); Masks(c, f) the fifth bits: f(file byte, bit,
+// panel byte of the 64-bit mask, bit in it).
+//
+// Layouts (offsets in the panel block):
+//   Q4_0, IQ4_NL  d[16] f16 @0; 4 quant rows @32 (low nibbles: values 0-15 by quad, high: 16-31)
+//   Q5_0          d @0; fifth-bit masks by quad @32 (8 × 8 bytes); 4 quant rows @96
+//   Q8_0          d @0; 8 quant rows @32
+//   Q4_1          d @0; m[16] f16 @32; 4 quant rows @64
+//   Q5_1          d @0; m @32; masks @64; 4 quant rows @128
+//   Q4_K          d @0; dmin @32; the 12 scale bytes as 3 rows of dwords @64; qs: per pair p of sub-blocks
+//                 8 rows @256 + 512p (low nibbles sub-block 2p, high 2p + 1)
+//   Q5_K          as Q4_K, then masks by (sub-block, quad) @2304 (64 × 8 bytes)
+//   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; ql: per (half h, s & 1) 8 rows
+//                 @288 + 512 (2h + s & 1) (low nibbles s < 2, high s ≥ 2); qh: per half 8 rows @2336 + 512h
+//   IQ4_XS        d @0; scales_h[16] u16 @32; scales_l as a row of dwords @64; per sub-block 4 rows @128 + 256j
+struct Q4_0P {
+  static constexpr int kValues = 32, kBlockBytes = 18, kBias = 8;
+  static constexpr bool kSigned2 = false, kPer16 = false, kOff = false;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    for (int q = 0; q < 4; ++q) f(2 + 4 * q, 32 + 64 * q + 4 * c, 4);
+  }
+  template <class F>
+  static void Masks(int, F) {}
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
+    const __m512i v = Row512(d + 32 + 64 * (t % 4));
+    return t < 4 ? Lo4x64(v) : Hi4x64(v);
+  }
+  static __m256i W256(const uint8_t* d, int, int t, int h) {
+    const __m256i v = Row256(d + 32 + 64 * (t % 4), h);
+    return t < 4 ? Lo4x32(v) : Hi4x32(v);
+  }
+  QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int, int) { return F16x16(d); }
+  static __m256 Sc256(const uint8_t* d, int, int, int h) { return F16x8(d, h); }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int) { return _mm512_setzero_ps(); }
+  static __m256 Off256(const uint8_t*, int, int) { return _mm256_setzero_ps(); }
+};
+struct Iq4NlP : Q4_0P {
+  static constexpr int kBias = 128;
+  static constexpr bool kSigned2 = true;
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) { return Iq4Book512(Q4_0P::W512(d, j, t)); }
+  static __m256i W256(const uint8_t* d, int j, int t, int h) { return Iq4Book256(Q4_0P::W256(d, j, t, h)); }
+};
+struct Q5_0P : Q4_0P {
+  static constexpr int kBlockBytes = 22, kBias = 16;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    for (int q = 0; q < 4; ++q) f(6 + 4 * q, 96 + 64 * q + 4 * c, 4);
+  }
+  template <class F>
+  static void Masks(int c, F f) {
+    for (int v = 0; v < 32; ++v) f(2 + v / 8, v % 8, 32 + 8 * (v / 4), 4 * c + v % 4);
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
+    const __m512i v = Row512(d + 96 + 64 * (t % 4));
+    return _mm512_or_si512(t < 4 ? Lo4x64(v) : Hi4x64(v), Fifth512(d + 32 + 8 * t));
+  }
+  static __m256i W256(const uint8_t* d, int, int t, int h) {
+    const __m256i v = Row256(d + 96 + 64 * (t % 4), h);
+    return _mm256_or_si256(t < 4 ? Lo4x32(v) : Hi4x32(v), Fifth256(d + 32 + 8 * t, h));
+  }
+};
+struct Q8_0P : Q4_0P {
+  static constexpr int kBlockBytes = 34, kBias = 128;
+  static constexpr bool kSigned2 = true;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    for (int q = 0; q < 8; ++q) f(2 + 4 * q, 32 + 64 * q + 4 * c, 4);
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
+    return _mm512_xor_si512(Row512(d + 32 + 64 * t), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  static __m256i W256(const uint8_t* d, int, int t, int h) { return Row256(d + 32 + 64 * t, h); }
+};
+struct Q4_1P : Q4_0P {
+  static constexpr int kBlockBytes = 20, kBias = 0;
+  static constexpr bool kOff = true;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    f(2, 32 + 2 * c, 2);
+    for (int q = 0; q < 4; ++q) f(4 + 4 * q, 64 + 64 * q + 4 * c, 4);
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
+    const __m512i v = Row512(d + 64 + 64 * (t % 4));
+    return t < 4 ? Lo4x64(v) : Hi4x64(v);
+  }
+  static __m256i W256(const uint8_t* d, int, int t, int h) {
+    const __m256i v = Row256(d + 64 + 64 * (t % 4), h);
+    return t < 4 ? Lo4x32(v) : Hi4x32(v);
+  }
+  // value = d × q + m: the offset is −m.
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int) {
+    return _mm512_xor_ps(F16x16(d + 32), _mm512_set1_ps(-0.0f));
+  }
+  static __m256 Off256(const uint8_t* d, int, int h) { return _mm256_xor_ps(F16x8(d + 32, h), _mm256_set1_ps(-0.0f)); }
+};
+struct Q5_1P : Q4_1P {
+  static constexpr int kBlockBytes = 24;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    f(2, 32 + 2 * c, 2);
+    for (int q = 0; q < 4; ++q) f(8 + 4 * q, 128 + 64 * q + 4 * c, 4);
+  }
+  template <class F>
+  static void Masks(int c, F f) {
+    for (int v = 0; v < 32; ++v) f(4 + v / 8, v % 8, 64 + 8 * (v / 4), 4 * c + v % 4);
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
+    const __m512i v = Row512(d + 128 + 64 * (t % 4));
+    return _mm512_or_si512(t < 4 ? Lo4x64(v) : Hi4x64(v), Fifth512(d + 64 + 8 * t));
+  }
+  static __m256i W256(const uint8_t* d, int, int t, int h) {
+    const __m256i v = Row256(d + 128 + 64 * (t % 4), h);
+    return _mm256_or_si256(t < 4 ? Lo4x32(v) : Hi4x32(v), Fifth256(d + 64 + 8 * t, h));
+  }
+};
+struct Q4_KP {
+  static constexpr int kValues = 256, kBlockBytes = 144, kBias = 0;
+  static constexpr bool kSigned2 = false, kPer16 = false, kOff = true;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    f(2, 32 + 2 * c, 2);
+    for (int u = 0; u < 3; ++u) f(4 + 4 * u, 64 + 64 * u + 4 * c, 4);
+    for (int p = 0; p < 4; ++p)
+      for (int t = 0; t < 8; ++t) f(16 + 32 * p + 4 * t, 256 + 512 * p + 64 * t + 4 * c, 4);
+  }
+  template <class F>
+  static void Masks(int, F) {}
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
+    const __m512i v = Row512(d + 256 + 512 * (j / 2) + 64 * t);
+    return j % 2 ? Hi4x64(v) : Lo4x64(v);
+  }
+  static __m256i W256(const uint8_t* d, int j, int t, int h) {
+    const __m256i v = Row256(d + 256 + 512 * (j / 2) + 64 * t, h);
+    return j % 2 ? Hi4x32(v) : Lo4x32(v);
+  }
+  // The 6-bit scales and mins of 4 sub-blocks per dword (ScaleMinK4's layout in quant.cc): u0, u1, u2 are
+  // the three dwords of a row's 12 scale bytes.
+  QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int) {
+    const __m512i u0 = Row512(d + 64), u2 = Row512(d + 192);
+    const __m512i x = j < 4
+                          ? _mm512_and_si512(u0, _mm512_set1_epi32(0x3F3F3F3F))
+                          : _mm512_or_si512(_mm512_and_si512(u2, _mm512_set1_epi32(0x0F0F0F0F)),
+                                            _mm512_and_si512(_mm512_srli_epi32(u0, 2), _mm512_set1_epi32(0x30303030)));
+    return _mm512_mul_ps(F16x16(d), Byte512(x, j % 4));
+  }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int j) {
+    const __m512i u1 = Row512(d + 128), u2 = Row512(d + 192);
+    const __m512i x = j < 4
+                          ? _mm512_and_si512(u1, _mm512_set1_epi32(0x3F3F3F3F))
+                          : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), _mm512_set1_epi32(0x0F0F0F0F)),
+                                            _mm512_and_si512(_mm512_srli_epi32(u1, 2), _mm512_set1_epi32(0x30303030)));
+    return _mm512_mul_ps(F16x16(d + 32), Byte512(x, j % 4));
+  }
+  static __m256 Sc256(const uint8_t* d, int j, int, int h) {
+    const __m256i u0 = Row256(d + 64, h), u2 = Row256(d + 192, h);
+    const __m256i x = j < 4
+                          ? _mm256_and_si256(u0, _mm256_set1_epi32(0x3F3F3F3F))
+                          : _mm256_or_si256(_mm256_and_si256(u2, _mm256_set1_epi32(0x0F0F0F0F)),
+                                            _mm256_and_si256(_mm256_srli_epi32(u0, 2), _mm256_set1_epi32(0x30303030)));
+    return _mm256_mul_ps(F16x8(d, h), Byte256(x, j % 4));
+  }
+  static __m256 Off256(const uint8_t* d, int j, int h) {
+    const __m256i u1 = Row256(d + 128, h), u2 = Row256(d + 192, h);
+    const __m256i x = j < 4
+                          ? _mm256_and_si256(u1, _mm256_set1_epi32(0x3F3F3F3F))
+                          : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), _mm256_set1_epi32(0x0F0F0F0F)),
+                                            _mm256_and_si256(_mm256_srli_epi32(u1, 2), _mm256_set1_epi32(0x30303030)));
+    return _mm256_mul_ps(F16x8(d + 32, h), Byte256(x, j % 4));
+  }
+};
+struct Q5_KP : Q4_KP {
+  static constexpr int kBlockBytes = 176;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    f(2, 32 + 2 * c, 2);
+    for (int u = 0; u < 3; ++u) f(4 + 4 * u, 64 + 64 * u + 4 * c, 4);
+    for (int p = 0; p < 4; ++p)
+      for (int t = 0; t < 8; ++t) f(48 + 32 * p + 4 * t, 256 + 512 * p + 64 * t + 4 * c, 4);
+  }
+  // Bit j of qh[l] is the fifth bit of value l of sub-block j.
+  template <class F>
+  static void Masks(int c, F f) {
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) f(16 + l, j, 2304 + 8 * (8 * j + l / 4), 4 * c + l % 4);
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
+    return _mm512_or_si512(Q4_KP::W512(d, j, t), Fifth512(d + 2304 + 8 * (8 * j + t)));
+  }
+  static __m256i W256(const uint8_t* d, int j, int t, int h) {
+    return _mm256_or_si256(Q4_KP::W256(d, j, t, h), Fifth256(d + 2304 + 8 * (8 * j + t), h));
+  }
+};
+struct Q6_KP {
+  static constexpr int kValues = 256, kBlockBytes = 210, kBias = 32;
+  static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(208, 2 * c, 2);
+    for (int g = 0; g < 16; ++g) f(192 + g, 32 + 16 * g + c, 1);
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 0; s < 2; ++s)
+        for (int t = 0; t < 8; ++t) f(64 * h + 32 * s + 4 * t, 288 + 512 * (2 * h + s) + 64 * t + 4 * c, 4);
+      for (int t = 0; t < 8; ++t) f(128 + 32 * h + 4 * t, 2336 + 512 * h + 64 * t + 4 * c, 4);
+    }
+  }
+  template <class F>
+  static void Masks(int, F) {}
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
+    const int h = j / 4, s = j % 4;
+    const __m512i l = Row512(d + 288 + 512 * (2 * h + (s & 1)) + 64 * t);
+    const __m512i qh = Row512(d + 2336 + 512 * h + 64 * t);
+    const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * s)), _mm512_set1_epi8(3));
+    return _mm512_or_si512(s >> 1 ? Hi4x64(l) : Lo4x64(l), _mm512_slli_epi16(hi, 4));
+  }
+  static __m256i W256(const uint8_t* d, int j, int t, int h) {
+    const int hh = j / 4, s = j % 4;
+    const __m256i l = Row256(d + 288 + 512 * (2 * hh + (s & 1)) + 64 * t, h);
+    const __m256i qh = Row256(d + 2336 + 512 * hh + 64 * t, h);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(s >> 1 ? Hi4x32(l) : Lo4x32(l), _mm256_slli_epi16(hi, 4));
+  }
+  // Scale of the half (16 values) `half` of sub-block j: d × the int8 scale of group 2j + half.
+  QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int half) {
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 32 + 16 * (2 * j + half)));
+    return _mm512_mul_ps(F16x16(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+  }
+  static __m256 Sc256(const uint8_t* d, int j, int half, int h) {
+    const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 32 + 16 * (2 * j + half) + 8 * h));
+    return _mm256_mul_ps(F16x8(d, h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+  }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int) { return _mm512_setzero_ps(); }
+  static __m256 Off256(const uint8_t*, int, int) { return _mm256_setzero_ps(); }
+};
+struct Iq4XsP {
+  static constexpr int kValues = 256, kBlockBytes = 136, kBias = 128;
+  static constexpr bool kSigned2 = true, kPer16 = false, kOff = false;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    f(2, 32 + 2 * c, 2);
+    f(4, 64 + 4 * c, 4);
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < 4; ++t) f(8 + 16 * j + 4 * t, 128 + 256 * j + 64 * t + 4 * c, 4);
+  }
+  template <class F>
+  static void Masks(int, F) {}
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
+    const __m512i v = Row512(d + 128 + 256 * j + 64 * (t % 4));
+    return Iq4Book512(t < 4 ? Lo4x64(v) : Hi4x64(v));
+  }
+  static __m256i W256(const uint8_t* d, int j, int t, int h) {
+    const __m256i v = Row256(d + 128 + 256 * j + 64 * (t % 4), h);
+    return Iq4Book256(t < 4 ? Lo4x32(v) : Hi4x32(v));
+  }
+  // d × (6-bit scale − 32): low 4 bits from scales_l (bits 4j.. of the dword), high 2 from scales_h.
+  QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int) {
+    const __m512i lo =
+        _mm512_and_si512(_mm512_srl_epi32(Row512(d + 64), _mm_cvtsi32_si128(4 * j)), _mm512_set1_epi32(0x0F));
+    const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + 32)));
+    const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(sh, _mm_cvtsi32_si128(2 * j)), _mm512_set1_epi32(3));
+    const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    return _mm512_mul_ps(F16x16(d), _mm512_cvtepi32_ps(ls));
+  }
+  static __m256 Sc256(const uint8_t* d, int j, int, int h) {
+    const __m256i lo =
+        _mm256_and_si256(_mm256_srl_epi32(Row256(d + 64, h), _mm_cvtsi32_si128(4 * j)), _mm256_set1_epi32(0x0F));
+    const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 32 + 16 * h)));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(sh, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    return _mm256_mul_ps(F16x8(d, h), _mm256_cvtepi32_ps(ls));
+  }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int) { return _mm512_setzero_ps(); }
+  static __m256 Off256(const uint8_t*, int, int) { return _mm256_setzero_ps(); }
+};
 
 inline int32_t Load32(const void* p) {
   int32_t v;
@@ -38,239 +359,241 @@ inline int32_t Load32(const void* p) {
   return v;
 }
 
-// ---- AVX-512 VNNI: a zmm holds the 16 rows' values 4t..4t+3, as unsigned bytes w + kBias.
-template <GgmlType T>
-QKV_AVX512_VNNI inline __m512i Operand512(const uint8_t* blk, int t) {
-  constexpr PanelFormat f = Format(T);
-  if constexpr (T == GgmlType::kQ8_0) {
-    return _mm512_xor_si512(_mm512_loadu_si512(blk + f.quant_at + 64 * t), _mm512_set1_epi8(static_cast<char>(0x80)));
-  } else {
-    const __m512i v = _mm512_loadu_si512(blk + f.quant_at + 64 * (t % 4));
-    __m512i q = _mm512_and_si512(t < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-    if constexpr (T == GgmlType::kQ5_0) {
-      uint64_t m;
-      std::memcpy(&m, blk + f.mask_at + 8 * t, 8);
-      q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(0x10)));
-    } else if constexpr (T == GgmlType::kIQ4_NL) {
-      // The IQ4 codebook plus 128.
-      const __m512i book = _mm512_broadcast_i32x4(
-          _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141),
-                        static_cast<char>(153), static_cast<char>(166), static_cast<char>(181), static_cast<char>(197),
-                        static_cast<char>(217), static_cast<char>(241)));
-      q = _mm512_shuffle_epi8(book, q);
-    }
-    return q;
-  }
-}
-
-// R activation rows (from r0) against the panel; with R < 4 each row's integer sum runs as two chains
-// (values 0-15 and 16-31, added exactly) so that decode is not bound by the dot product's latency.
-template <GgmlType T, int R>
-QKV_AVX512_VNNI void PanelTile512(const uint8_t* panel, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
-  constexpr int kBias = Format(T).bias;
-  constexpr size_t PB = PanelBlockBytes(T);
-  constexpr bool kTwo = R < 4;
-  __m512 acc[R];
+// Where activation rows r0 .. r0 + R − 1 start: values, per-32 scales, per-16 and per-32 sums.
+template <int R>
+struct ARows {
   const int8_t* q[R];
   const float* s[R];
+  const int32_t* s16[R];
   const int32_t* s32[R];
-  for (int r = 0; r < R; ++r) {
-    const size_t row = static_cast<size_t>(r0 + r);
-    acc[r] = _mm512_setzero_ps();
-    q[r] = a.q.data() + row * a.k;
-    s[r] = a.scale.data() + row * (a.k / 32);
-    s32[r] = a.sum32.data() + row * (a.k / 32);
-  }
-  for (int b = 0; b < k / 32; ++b) {
-    const uint8_t* blk = panel + b * PB;
-    __m512i lo[R], hi[R];
-#pragma GCC unroll 8
+  ARows(const QuantizedRows& a, int r0) {
     for (int r = 0; r < R; ++r) {
-      lo[r] = _mm512_set1_epi32(-kBias * s32[r][b]);
-      if constexpr (kTwo) hi[r] = _mm512_setzero_si512();
+      const size_t row = static_cast<size_t>(r0 + r);
+      q[r] = a.q.data() + row * a.k;
+      s[r] = a.scale.data() + row * (a.k / 32);
+      s16[r] = a.sum16.data() + row * (a.k / 16);
+      s32[r] = a.sum32.data() + row * (a.k / 32);
     }
+  }
+};
+
+// ---- AVX-512 VNNI: R activation rows (from r0) against a panel. Per sub-block (or half, for kPer16) the
+// int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs as two
+// chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
+template <class P, int R>
+QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
+  constexpr int G = P::kValues / 32;
+  constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
+  constexpr bool kTwo = R < 4 && !P::kPer16;
+  const ARows<R> x(a, r0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int sb = 0; sb < k / P::kValues; ++sb) {
+    const uint8_t* d = panel + sb * PB;
+#pragma GCC unroll 1
+    for (int j = 0; j < G; ++j) {
+      const int b = sb * G + j;
+      if constexpr (P::kPer16) {
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          __m512i sum[R];
 #pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      const __m512i w = Operand512<T>(blk, t);
+          for (int r = 0; r < R; ++r) sum[r] = _mm512_set1_epi32(-P::kBias * x.s16[r][2 * b + half]);
+#pragma GCC unroll 4
+          for (int t = 4 * half; t < 4 * half + 4; ++t) {
+            const __m512i w = P::W512(d, j, t);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512i av = _mm512_set1_epi32(Load32(q[r] + 32 * b + 4 * t));
-        if (kTwo && t >= 4) {
-          hi[r] = _mm512_dpbusd_epi32(hi[r], w, av);
-        } else {
-          lo[r] = _mm512_dpbusd_epi32(lo[r], w, av);
+            for (int r = 0; r < R; ++r)
+              sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(Load32(x.q[r] + 32 * b + 4 * t)));
+          }
+          const __m512 sc = P::Sc512(d, j, half);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(sc, _mm512_set1_ps(x.s[r][b])), acc[r]);
+        }
+      } else {
+        __m512i lo[R], hi[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          lo[r] = _mm512_set1_epi32(-P::kBias * x.s32[r][b]);
+          if constexpr (kTwo) hi[r] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const __m512i w = P::W512(d, j, t);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m512i av = _mm512_set1_epi32(Load32(x.q[r] + 32 * b + 4 * t));
+            if (kTwo && t >= 4) {
+              hi[r] = _mm512_dpbusd_epi32(hi[r], w, av);
+            } else {
+              lo[r] = _mm512_dpbusd_epi32(lo[r], w, av);
+            }
+          }
+        }
+        const __m512 sc = P::Sc512(d, j, 0);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i sum = kTwo ? _mm512_add_epi32(lo[r], hi[r]) : lo[r];
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(x.s[r][b])), acc[r]);
+        }
+        if constexpr (P::kOff) {
+          const __m512 off = P::Off512(d, j);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(static_cast<float>(x.s32[r][b]) * x.s[r][b]), acc[r]);
         }
       }
-    }
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512i sum = kTwo ? _mm512_add_epi32(lo[r], hi[r]) : lo[r];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(s[r][b])), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + static_cast<size_t>(r) * ldo, acc[r]);
 }
 
-template <GgmlType T>
-QKV_AVX512_VNNI void PanelDot512(const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
+template <class P>
+QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
   int r = 0;
-  for (; r + 8 <= a.m; r += 8) PanelTile512<T, 8>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
-  if (r + 4 <= a.m) PanelTile512<T, 4>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo), r += 4;
-  if (r + 2 <= a.m) PanelTile512<T, 2>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo), r += 2;
-  if (r < a.m) PanelTile512<T, 1>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
+  for (; r + 8 <= a.m; r += 8) Tile512<P, 8>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
+  if (r + 4 <= a.m) Tile512<P, 4>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo), r += 4;
+  if (r + 2 <= a.m) Tile512<P, 2>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo), r += 2;
+  if (r < a.m) Tile512<P, 1>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
 }
 
-// ---- AVX2: half h of a panel (rows 8h..8h+7) in a ymm; the same int32 sums through maddubs + madd.
-// Byte i of the result is 0x10 when bit i of the 32 bits is set, else 0.
-inline __m256i FifthBits(uint32_t x) {
-  const __m256i rep =
-      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)),
-                          _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(0x10));
-}
-// The 4-bit and 5-bit codes unsigned (w + kBias); Q8_0 and IQ4_NL signed (w).
-template <GgmlType T>
-inline __m256i Operand256(const uint8_t* blk, int t, int h) {
-  constexpr PanelFormat f = Format(T);
-  if constexpr (T == GgmlType::kQ8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + f.quant_at + 64 * t + 32 * h));
-  } else {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + f.quant_at + 64 * (t % 4) + 32 * h));
-    __m256i q = _mm256_and_si256(t < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-    if constexpr (T == GgmlType::kQ5_0) {
-      uint32_t m;
-      std::memcpy(&m, blk + f.mask_at + 8 * t + 4 * h, 4);
-      q = _mm256_or_si256(q, FifthBits(m));
-    } else if constexpr (T == GgmlType::kIQ4_NL) {
-      const __m256i book = _mm256_broadcastsi128_si256(
-          _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-      q = _mm256_shuffle_epi8(book, q);
-    }
-    return q;
-  }
-}
-constexpr bool SignedOnAvx2(GgmlType t) { return t == GgmlType::kQ8_0 || t == GgmlType::kIQ4_NL; }
-
-// R activation rows against halves [h0, h0 + H) of the panel.
-template <GgmlType T, int R, int H>
-void PanelTile256(const uint8_t* panel, int h0, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
-  constexpr bool kSigned = SignedOnAvx2(T);
-  constexpr int kBias = kSigned ? 0 : Format(T).bias;
-  constexpr size_t PB = PanelBlockBytes(T);
+// ---- AVX2: R activation rows against halves [h0, h0 + H) of a panel, the same int32 sums through
+// maddubs + madd (unsigned w + kBias, or |w| against a × sign(w) for the signed formats: no saturation,
+// since |a| ≤ 127) and the same float operations.
+template <class P, int R, int H>
+void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
+  constexpr int G = P::kValues / 32;
+  constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
+  constexpr int kBias = P::kSigned2 ? 0 : P::kBias;
+  const ARows<R> x(a, r0);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][H];
-  const int8_t* q[R];
-  const float* s[R];
-  const int32_t* s32[R];
-  for (int r = 0; r < R; ++r) {
-    const size_t row = static_cast<size_t>(r0 + r);
+  for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
-    q[r] = a.q.data() + row * a.k;
-    s[r] = a.scale.data() + row * (a.k / 32);
-    s32[r] = a.sum32.data() + row * (a.k / 32);
-  }
-  for (int b = 0; b < k / 32; ++b) {
-    const uint8_t* blk = panel + b * PB;
-    __m256i sum[R][H];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < H; ++h) sum[r][h] = _mm256_set1_epi32(-kBias * s32[r][b]);
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
+  for (int sb = 0; sb < k / P::kValues; ++sb) {
+    const uint8_t* d = panel + sb * PB;
+#pragma GCC unroll 1
+    for (int j = 0; j < G; ++j) {
+      const int b = sb * G + j;
+      constexpr int kParts = P::kPer16 ? 2 : 1;  // integer sums per sub-block
 #pragma GCC unroll 2
-      for (int h = 0; h < H; ++h) {
-        const __m256i w = Operand256<T>(blk, t, h0 + h);
-        const __m256i wu = kSigned ? _mm256_sign_epi8(w, w) : w;
-#pragma GCC unroll 4
+      for (int part = 0; part < kParts; ++part) {
+        __m256i sum[R][H];
         for (int r = 0; r < R; ++r) {
-          const __m256i av = _mm256_set1_epi32(Load32(q[r] + 32 * b + 4 * t));
-          const __m256i p16 = _mm256_maddubs_epi16(wu, kSigned ? _mm256_sign_epi8(av, w) : av);
-          sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(p16, ones));
+          const int32_t s = P::kPer16 ? x.s16[r][2 * b + part] : x.s32[r][b];
+          for (int h = 0; h < H; ++h) sum[r][h] = _mm256_set1_epi32(-kBias * s);
+        }
+        constexpr int kQuads = 8 / kParts;
+#pragma GCC unroll 8
+        for (int t = part * kQuads; t < (part + 1) * kQuads; ++t) {
+#pragma GCC unroll 2
+          for (int h = 0; h < H; ++h) {
+            const __m256i w = P::W256(d, j, t, h0 + h);
+            const __m256i wu = P::kSigned2 ? _mm256_sign_epi8(w, w) : w;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              const __m256i av = _mm256_set1_epi32(Load32(x.q[r] + 32 * b + 4 * t));
+              const __m256i p16 = _mm256_maddubs_epi16(wu, P::kSigned2 ? _mm256_sign_epi8(av, w) : av);
+              sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(p16, ones));
+            }
+          }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h) {
+          const __m256 sc = P::Sc256(d, j, part, h0 + h);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r)
+            acc[r][h] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(sc, _mm256_set1_ps(x.s[r][b])), acc[r][h]);
         }
       }
-    }
+      if constexpr (P::kOff) {
 #pragma GCC unroll 2
-    for (int h = 0; h < H; ++h) {
-      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * (h0 + h))));
+        for (int h = 0; h < H; ++h) {
+          const __m256 off = P::Off256(d, j, h0 + h);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        acc[r][h] =
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(sc, _mm256_set1_ps(s[r][b])), acc[r][h]);
+          for (int r = 0; r < R; ++r)
+            acc[r][h] = _mm256_fnmadd_ps(off, _mm256_set1_ps(static_cast<float>(x.s32[r][b]) * x.s[r][b]), acc[r][h]);
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + static_cast<size_t>(r) * ldo + 8 * (h0 + h), acc[r][h]);
 }
 
-template <GgmlType T>
-void PanelDot256(const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
+template <class P>
+void Dot256(const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
   int r = 0;
   for (; r + 4 <= a.m; r += 4)
-    for (int h = 0; h < 2; ++h) PanelTile256<T, 4, 1>(panel, h, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
-  for (; r < a.m; ++r) PanelTile256<T, 1, 2>(panel, 0, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
+    for (int h = 0; h < 2; ++h) Tile256<P, 4, 1>(panel, h, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
+  for (; r < a.m; ++r) Tile256<P, 1, 2>(panel, 0, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
 }
 
-template <GgmlType T>
-void PanelDotAt(bool vnni, const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
-  if (vnni) {
-    PanelDot512<T>(panel, k, a, out, ldo);
-  } else {
-    PanelDot256<T>(panel, k, a, out, ldo);
+// Calls f with the format of t (a value of its struct); false when t has no panel kernel.
+template <class F>
+bool WithFormat(GgmlType t, F&& f) {
+  switch (t) {
+    case GgmlType::kQ4_0: f(Q4_0P{}); return true;
+    case GgmlType::kIQ4_NL: f(Iq4NlP{}); return true;
+    case GgmlType::kQ5_0: f(Q5_0P{}); return true;
+    case GgmlType::kQ8_0: f(Q8_0P{}); return true;
+    case GgmlType::kQ4_1: f(Q4_1P{}); return true;
+    case GgmlType::kQ5_1: f(Q5_1P{}); return true;
+    case GgmlType::kQ4_K: f(Q4_KP{}); return true;
+    case GgmlType::kQ5_K: f(Q5_KP{}); return true;
+    case GgmlType::kQ6_K: f(Q6_KP{}); return true;
+    case GgmlType::kIQ4_XS: f(Iq4XsP{}); return true;
+    default: return false;
   }
 }
 
 }  // namespace
 
-bool HasPanelKernel(GgmlType t) { return Format(t).block_bytes != 0; }
+bool HasPanelKernel(GgmlType t) {
+  return WithFormat(t, [](auto) {});
+}
 
 void RepackPanel(GgmlType t, const uint8_t* src, size_t row_bytes, int k, uint8_t* dst) {
-  const PanelFormat f = Format(t);
-  const size_t bb = f.block_bytes, pb = PanelBlockBytes(t);
-  const int quads = t == GgmlType::kQ8_0 ? 8 : 4;  // 64-byte quant rows per block
-  const int qs_at = t == GgmlType::kQ5_0 ? 6 : 2;  // the quants in a file block
-  for (int b = 0; b < k / 32; ++b) {
-    uint8_t* d = dst + b * pb;
-    uint64_t masks[8] = {};
-    for (int c = 0; c < kPanelRows; ++c) {
-      const uint8_t* blk = src + c * row_bytes + b * bb;
-      std::memcpy(d + 2 * c, blk, 2);
-      for (int q = 0; q < quads; ++q) std::memcpy(d + f.quant_at + 64 * q + 4 * c, blk + qs_at + 4 * q, 4);
-      if (f.mask_at) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + 2, 4);
-        for (int v = 0; v < 32; ++v) masks[v / 4] |= static_cast<uint64_t>((qh >> v) & 1) << (4 * c + v % 4);
+  WithFormat(t, [&](auto p) {
+    using P = decltype(p);
+    const size_t pb = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
+    std::memset(dst, 0, pb * (k / P::kValues));
+    for (int b = 0; b < k / P::kValues; ++b) {
+      uint8_t* d = dst + b * pb;
+      for (int c = 0; c < kPanelRows; ++c) {
+        const uint8_t* blk = src + c * row_bytes + static_cast<size_t>(b) * P::kBlockBytes;
+        P::Chunks(c, [&](int from, int to, int n) { std::memcpy(d + to, blk + from, n); });
+        P::Masks(c, [&](int byte, int bit, int to, int to_bit) {
+          d[to + to_bit / 8] |= static_cast<uint8_t>(((blk[byte] >> bit) & 1) << (to_bit % 8));
+        });
       }
     }
-    if (f.mask_at) std::memcpy(d + f.mask_at, masks, sizeof(masks));
-  }
+  });
 }
 
 void PanelBlock(GgmlType t, const uint8_t* panel, int b, int c, uint8_t* dst) {
-  const PanelFormat f = Format(t);
-  const uint8_t* d = panel + b * PanelBlockBytes(t);
-  const int quads = t == GgmlType::kQ8_0 ? 8 : 4;
-  const int qs_at = t == GgmlType::kQ5_0 ? 6 : 2;
-  std::memcpy(dst, d + 2 * c, 2);
-  for (int q = 0; q < quads; ++q) std::memcpy(dst + qs_at + 4 * q, d + f.quant_at + 64 * q + 4 * c, 4);
-  if (f.mask_at) {
-    uint64_t masks[8];
-    std::memcpy(masks, d + f.mask_at, sizeof(masks));
-    uint32_t qh = 0;
-    for (int v = 0; v < 32; ++v) qh |= static_cast<uint32_t>((masks[v / 4] >> (4 * c + v % 4)) & 1) << v;
-    std::memcpy(dst + 2, &qh, 4);
-  }
+  WithFormat(t, [&](auto p) {
+    using P = decltype(p);
+    const uint8_t* d = panel + static_cast<size_t>(b) * kPanelRows * P::kBlockBytes;
+    std::memset(dst, 0, P::kBlockBytes);
+    P::Chunks(c, [&](int from, int to, int n) { std::memcpy(dst + from, d + to, n); });
+    P::Masks(c, [&](int byte, int bit, int to, int to_bit) {
+      dst[byte] |= static_cast<uint8_t>(((d[to + to_bit / 8] >> (to_bit % 8)) & 1) << bit);
+    });
+  });
 }
 
 void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
-  switch (t) {
-    case GgmlType::kQ4_0: return PanelDotAt<GgmlType::kQ4_0>(vnni, panel, k, a, out, ldo);
-    case GgmlType::kIQ4_NL: return PanelDotAt<GgmlType::kIQ4_NL>(vnni, panel, k, a, out, ldo);
-    case GgmlType::kQ5_0: return PanelDotAt<GgmlType::kQ5_0>(vnni, panel, k, a, out, ldo);
-    case GgmlType::kQ8_0: return PanelDotAt<GgmlType::kQ8_0>(vnni, panel, k, a, out, ldo);
-    default: return;
-  }
+  WithFormat(t, [&](auto p) {
+    using P = decltype(p);
+    if (vnni) {
+      Dot512<P>(panel, k, a, out, ldo);
+    } else {
+      Dot256<P>(panel, k, a, out, ldo);
+    }
+  });
 }
 
 }  // namespace qkv
