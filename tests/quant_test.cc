@@ -166,32 +166,36 @@ float Emulate(GgmlType t, const uint8_t* row, const float* x, int k) {
 }
 
 // The same for a row kept in a panel (quant_panel.h): one accumulator and, per 32-block in order, the exact
-// Σ w·a of the block (Q6_K: of each 16 values, with that 16's scale) added as acc = fma(Σ w·a, w_scale ×
-// a_scale, acc), then for the types with a minimum acc = fma(−w_offset, float(Σ a) × a_scale, acc).
+// Σ w·a of the block (Q2_K, Q3_K, Q6_K: of each 16 values, with that 16's scale) added as acc = fma(Σ w·a,
+// w_scale × a_scale, acc), each followed for the types with a minimum by acc = fma(−w_offset, float(Σ a) ×
+// a_scale, acc).
 float EmulatePanel(GgmlType t, const uint8_t* row, const float* x, int k) {
   std::vector<int8_t> wq(k), aq(k);
   std::vector<float> sc(k / 16), off(k / 16);
   DecodeRowI8(t, row, k, wq.data(), sc.data(), off.data());
-  const bool per16 = t == GgmlType::kQ6_K;
-  const bool has_off = t == GgmlType::kQ4_1 || t == GgmlType::kQ5_1 || t == GgmlType::kQ4_K || t == GgmlType::kQ5_K;
+  const bool per16 = t == GgmlType::kQ6_K || t == GgmlType::kQ2_K || t == GgmlType::kQ3_K;
+  const bool has_off = t == GgmlType::kQ4_1 || t == GgmlType::kQ5_1 || t == GgmlType::kQ4_K || t == GgmlType::kQ5_K ||
+                       t == GgmlType::kQ2_K;
   float acc = 0;
   for (int b = 0; b < k / 32; ++b) {
     float mx = 0;
     for (int j = 0; j < 32; ++j) mx = std::max(mx, std::fabs(x[32 * b + j]));
     const float as = mx / 127.0f;
     const float id = mx != 0 ? 127.0f / mx : 0.0f;
-    int dot[2] = {}, sa = 0;
+    int dot[2] = {}, sa[2] = {};
     for (int j = 0; j < 32; ++j) {
       aq[32 * b + j] = static_cast<int8_t>(std::nearbyint(x[32 * b + j] * id));
       dot[j / 16] += wq[32 * b + j] * aq[32 * b + j];
-      sa += aq[32 * b + j];
+      sa[j / 16] += aq[32 * b + j];
     }
     if (per16) {
-      acc = std::fma(static_cast<float>(dot[0]), sc[2 * b] * as, acc);
-      acc = std::fma(static_cast<float>(dot[1]), sc[2 * b + 1] * as, acc);
+      for (int h = 0; h < 2; ++h) {
+        acc = std::fma(static_cast<float>(dot[h]), sc[2 * b + h] * as, acc);
+        if (has_off) acc = std::fma(-off[2 * b + h], static_cast<float>(sa[h]) * as, acc);
+      }
     } else {
       acc = std::fma(static_cast<float>(dot[0] + dot[1]), sc[2 * b] * as, acc);
-      if (has_off) acc = std::fma(-off[2 * b], static_cast<float>(sa) * as, acc);
+      if (has_off) acc = std::fma(-off[2 * b], static_cast<float>(sa[0] + sa[1]) * as, acc);
     }
   }
   return acc;
@@ -253,18 +257,17 @@ TEST(QuantLinear, MatchesScalarDescriptionBitForBit) {
   }
 }
 
-// Whole sixteens of rows of the panel types are panels, the rest row-wise, part by part; every row expands
+// Whole sixteens of rows are panels, the rest row-wise, part by part; every row expands
 // to the file's values whatever its storage.
 TEST(QuantLinear, PanelsHoldWholeSixteensAndExpandToTheFilesValues) {
   const int k = 256;
   for (GgmlType t : kQuantTypes) {
-    const bool has = t != GgmlType::kQ2_K && t != GgmlType::kQ3_K;  // the types with a panel kernel
     const auto a = Encode(t, Normal(static_cast<size_t>(37) * k, 21, 0.05f), 37, k);
     const auto b = Encode(GgmlType::kQ8_0, Normal(static_cast<size_t>(18) * k, 22, 0.05f), 18, k);
     const QuantWeights w({{t, 37, a.data()}, {GgmlType::kQ8_0, 18, b.data()}}, k, nullptr);
     ASSERT_EQ(w.n(), 55);
     for (int r = 0; r < 55; ++r) {
-      const bool expect = r < 37 ? has && r < 32 : r < 37 + 16;
+      const bool expect = r < 37 ? r < 32 : r < 37 + 16;
       EXPECT_EQ(w.InPanel(r), expect) << GgmlTypeName(t) << " row " << r;
       const int unit = w.UnitStart(r);
       EXPECT_LE(unit, r);

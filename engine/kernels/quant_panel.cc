@@ -29,21 +29,21 @@ QKV_AVX512_VNNI inline __m512i Hi4x64(__m512i v) {
 }
 inline __m256i Lo4x32(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i Hi4x32(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-// A 64-bit mask (bit 4c + i: panel row c, value i of a quad) as bytes 0x10 or 0.
-QKV_AVX512_VNNI inline __m512i Fifth512(const uint8_t* p) {
+// A 64-bit mask (bit 4c + i: panel row c, value i of a quad) as bytes `v` (0x10: a fifth bit) or 0.
+QKV_AVX512_VNNI inline __m512i Fifth512(const uint8_t* p, char v = 0x10) {
   uint64_t m;
   std::memcpy(&m, p, 8);
-  return _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(0x10));
+  return _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(v));
 }
-// Its half h (32 bits) as bytes 0x10 or 0.
-inline __m256i Fifth256(const uint8_t* p, int h) {
+// Its half h (32 bits) as bytes `v` or 0.
+inline __m256i Fifth256(const uint8_t* p, int h, char v = 0x10) {
   uint32_t x;
   std::memcpy(&x, p + 4 * h, 4);
   const __m256i rep =
       _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)),
                           _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
   const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(0x10));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(v));
 }
 // The IQ4 codebook: plus 128 (unsigned, AVX-512) or as is (signed, AVX2).
 QKV_AVX512_VNNI inline __m512i Iq4Book512(__m512i idx) {
@@ -105,8 +105,8 @@ struct Q4_0P {
   }
   QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int, int) { return F16x16(d); }
   static __m256 Sc256(const uint8_t* d, int, int, int h) { return F16x8(d, h); }
-  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int) { return _mm512_setzero_ps(); }
-  static __m256 Off256(const uint8_t*, int, int) { return _mm256_setzero_ps(); }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int, int) { return _mm512_setzero_ps(); }
+  static __m256 Off256(const uint8_t*, int, int, int) { return _mm256_setzero_ps(); }
 };
 struct Iq4NlP : Q4_0P {
   static constexpr int kBias = 128;
@@ -165,10 +165,12 @@ struct Q4_1P : Q4_0P {
     return t < 4 ? Lo4x32(v) : Hi4x32(v);
   }
   // value = d × q + m: the offset is −m.
-  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int) {
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int, int) {
     return _mm512_xor_ps(F16x16(d + 32), _mm512_set1_ps(-0.0f));
   }
-  static __m256 Off256(const uint8_t* d, int, int h) { return _mm256_xor_ps(F16x8(d + 32, h), _mm256_set1_ps(-0.0f)); }
+  static __m256 Off256(const uint8_t* d, int, int, int h) {
+    return _mm256_xor_ps(F16x8(d + 32, h), _mm256_set1_ps(-0.0f));
+  }
 };
 struct Q5_1P : Q4_1P {
   static constexpr int kBlockBytes = 24;
@@ -222,7 +224,7 @@ struct Q4_KP {
                                             _mm512_and_si512(_mm512_srli_epi32(u0, 2), _mm512_set1_epi32(0x30303030)));
     return _mm512_mul_ps(F16x16(d), Byte512(x, j % 4));
   }
-  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int j) {
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int j, int) {
     const __m512i u1 = Row512(d + 128), u2 = Row512(d + 192);
     const __m512i x = j < 4
                           ? _mm512_and_si512(u1, _mm512_set1_epi32(0x3F3F3F3F))
@@ -238,7 +240,7 @@ struct Q4_KP {
                                             _mm256_and_si256(_mm256_srli_epi32(u0, 2), _mm256_set1_epi32(0x30303030)));
     return _mm256_mul_ps(F16x8(d, h), Byte256(x, j % 4));
   }
-  static __m256 Off256(const uint8_t* d, int j, int h) {
+  static __m256 Off256(const uint8_t* d, int j, int, int h) {
     const __m256i u1 = Row256(d + 128, h), u2 = Row256(d + 192, h);
     const __m256i x = j < 4
                           ? _mm256_and_si256(u1, _mm256_set1_epi32(0x3F3F3F3F))
@@ -308,8 +310,8 @@ struct Q6_KP {
     const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 32 + 16 * (2 * j + half) + 8 * h));
     return _mm256_mul_ps(F16x8(d, h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
   }
-  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int) { return _mm512_setzero_ps(); }
-  static __m256 Off256(const uint8_t*, int, int) { return _mm256_setzero_ps(); }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int, int) { return _mm512_setzero_ps(); }
+  static __m256 Off256(const uint8_t*, int, int, int) { return _mm256_setzero_ps(); }
 };
 struct Iq4XsP {
   static constexpr int kValues = 256, kBlockBytes = 136, kBias = 128;
@@ -349,8 +351,106 @@ struct Iq4XsP {
     const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
     return _mm256_mul_ps(F16x8(d, h), _mm256_cvtepi32_ps(ls));
   }
-  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int) { return _mm512_setzero_ps(); }
-  static __m256 Off256(const uint8_t*, int, int) { return _mm256_setzero_ps(); }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int, int) { return _mm512_setzero_ps(); }
+  static __m256 Off256(const uint8_t*, int, int, int) { return _mm256_setzero_ps(); }
+};
+
+// Q2_K and Q3_K: 2-bit values per 16 with their own scale (Q2_K also a minimum per 16).
+struct Q2_KP {
+  static constexpr int kValues = 256, kBlockBytes = 84, kBias = 0;
+  static constexpr bool kSigned2 = false, kPer16 = true, kOff = true;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(80, 2 * c, 2);
+    f(82, 32 + 2 * c, 2);
+    for (int g = 0; g < 16; ++g) f(g, 64 + 16 * g + c, 1);
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 8; ++t) f(16 + 32 * h + 4 * t, 320 + 512 * h + 64 * t + 4 * c, 4);
+  }
+  template <class F>
+  static void Masks(int, F) {}
+  // Bits (2s, 2s + 1), s = j % 4, of row t of the half j / 4 (rows at p + 512 × half).
+  QKV_AVX512_VNNI static __m512i Crumbs512(const uint8_t* p, int j, int t) {
+    const __m512i v = Row512(p + 512 * (j / 4) + 64 * t);
+    return _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * (j % 4))), _mm512_set1_epi8(3));
+  }
+  static __m256i Crumbs256(const uint8_t* p, int j, int t, int h) {
+    const __m256i v = Row256(p + 512 * (j / 4) + 64 * t, h);
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (j % 4))), _mm256_set1_epi8(3));
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) { return Crumbs512(d + 320, j, t); }
+  static __m256i W256(const uint8_t* d, int j, int t, int h) { return Crumbs256(d + 320, j, t, h); }
+  // The scale byte of group 2j + half: d × its low nibble is the scale, dmin × its high nibble the offset.
+  QKV_AVX512_VNNI static __m512i Group512(const uint8_t* d, int j, int half) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 64 + 16 * (2 * j + half))));
+  }
+  static __m256i Group256(const uint8_t* d, int j, int half, int h) {
+    return _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 64 + 16 * (2 * j + half) + 8 * h)));
+  }
+  QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int half) {
+    const __m512i g = _mm512_and_si512(Group512(d, j, half), _mm512_set1_epi32(0x0F));
+    return _mm512_mul_ps(F16x16(d), _mm512_cvtepi32_ps(g));
+  }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int j, int half) {
+    return _mm512_mul_ps(F16x16(d + 32), _mm512_cvtepi32_ps(_mm512_srli_epi32(Group512(d, j, half), 4)));
+  }
+  static __m256 Sc256(const uint8_t* d, int j, int half, int h) {
+    const __m256i g = _mm256_and_si256(Group256(d, j, half, h), _mm256_set1_epi32(0x0F));
+    return _mm256_mul_ps(F16x8(d, h), _mm256_cvtepi32_ps(g));
+  }
+  static __m256 Off256(const uint8_t* d, int j, int half, int h) {
+    return _mm256_mul_ps(F16x8(d + 32, h), _mm256_cvtepi32_ps(_mm256_srli_epi32(Group256(d, j, half, h), 4)));
+  }
+};
+// Q3_K: value = lo − 4 + 4 × (hmask bit), so unsigned lo + 4 × bit with kBias 4; the 6-bit signed scales of
+// ScaleK3 (quant.cc) decoded for 16 rows at once from 3 rows of dwords.
+struct Q3_KP {
+  static constexpr int kValues = 256, kBlockBytes = 110, kBias = 4;
+  static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(108, 2 * c, 2);
+    for (int u = 0; u < 3; ++u) f(96 + 4 * u, 32 + 64 * u + 4 * c, 4);
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 8; ++t) f(32 + 32 * h + 4 * t, 736 + 512 * h + 64 * t + 4 * c, 4);
+  }
+  // Bit j of hmask[l] is the high bit of value l of sub-block j.
+  template <class F>
+  static void Masks(int c, F f) {
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) f(l, j, 224 + 8 * (8 * j + l / 4), 4 * c + l % 4);
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
+    return _mm512_or_si512(Q2_KP::Crumbs512(d + 736, j, t), Fifth512(d + 224 + 8 * (8 * j + t), 4));
+  }
+  static __m256i W256(const uint8_t* d, int j, int t, int h) {
+    return _mm256_or_si256(Q2_KP::Crumbs256(d + 736, j, t, h), Fifth256(d + 224 + 8 * (8 * j + t), h, 4));
+  }
+  // Group g = 2j + half: the low 4 bits from byte g % 8 (its high nibble when g >= 8), the high 2 from byte
+  // 8 + g % 4 (bits 2 (g / 4)); minus 32.
+  QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int half) {
+    const int g = 2 * j + half;
+    const __m512i lo = _mm512_and_si512(
+        _mm512_srl_epi32(Row512(d + 32 + 64 * (g % 8 / 4)), _mm_cvtsi32_si128(8 * (g % 4) + 4 * (g / 8))),
+        _mm512_set1_epi32(0x0F));
+    const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(Row512(d + 160), _mm_cvtsi32_si128(8 * (g % 4) + 2 * (g / 4))),
+                                        _mm512_set1_epi32(3));
+    const __m512i v = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    return _mm512_mul_ps(F16x16(d), _mm512_cvtepi32_ps(v));
+  }
+  static __m256 Sc256(const uint8_t* d, int j, int half, int h) {
+    const int g = 2 * j + half;
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srl_epi32(Row256(d + 32 + 64 * (g % 8 / 4), h), _mm_cvtsi32_si128(8 * (g % 4) + 4 * (g / 8))),
+        _mm256_set1_epi32(0x0F));
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srl_epi32(Row256(d + 160, h), _mm_cvtsi32_si128(8 * (g % 4) + 2 * (g / 4))), _mm256_set1_epi32(3));
+    const __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    return _mm256_mul_ps(F16x8(d, h), _mm256_cvtepi32_ps(v));
+  }
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int, int) { return _mm512_setzero_ps(); }
+  static __m256 Off256(const uint8_t*, int, int, int) { return _mm256_setzero_ps(); }
 };
 
 inline int32_t Load32(const void* p) {
@@ -410,6 +510,13 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRows& a
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(sc, _mm512_set1_ps(x.s[r][b])), acc[r]);
+          if constexpr (P::kOff) {
+            const __m512 off = P::Off512(d, j, half);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+              acc[r] =
+                  _mm512_fnmadd_ps(off, _mm512_set1_ps(static_cast<float>(x.s16[r][2 * b + half]) * x.s[r][b]), acc[r]);
+          }
         }
       } else {
         __m512i lo[R], hi[R];
@@ -438,7 +545,7 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRows& a
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(x.s[r][b])), acc[r]);
         }
         if constexpr (P::kOff) {
-          const __m512 off = P::Off512(d, j);
+          const __m512 off = P::Off512(d, j, 0);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
             acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(static_cast<float>(x.s32[r][b]) * x.s[r][b]), acc[r]);
@@ -506,15 +613,15 @@ void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRows& a, int r0
           for (int r = 0; r < R; ++r)
             acc[r][h] =
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(sc, _mm256_set1_ps(x.s[r][b])), acc[r][h]);
-        }
-      }
-      if constexpr (P::kOff) {
-#pragma GCC unroll 2
-        for (int h = 0; h < H; ++h) {
-          const __m256 off = P::Off256(d, j, h0 + h);
+          if constexpr (P::kOff) {
+            // The minimum's term right after the sum it belongs to (per 16 values for kPer16, else per 32).
+            const __m256 off = P::Off256(d, j, part, h0 + h);
 #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r)
-            acc[r][h] = _mm256_fnmadd_ps(off, _mm256_set1_ps(static_cast<float>(x.s32[r][b]) * x.s[r][b]), acc[r][h]);
+            for (int r = 0; r < R; ++r) {
+              const int32_t sa = P::kPer16 ? x.s16[r][2 * b + part] : x.s32[r][b];
+              acc[r][h] = _mm256_fnmadd_ps(off, _mm256_set1_ps(static_cast<float>(sa) * x.s[r][b]), acc[r][h]);
+            }
+          }
         }
       }
     }
@@ -545,6 +652,8 @@ bool WithFormat(GgmlType t, F&& f) {
     case GgmlType::kQ5_K: f(Q5_KP{}); return true;
     case GgmlType::kQ6_K: f(Q6_KP{}); return true;
     case GgmlType::kIQ4_XS: f(Iq4XsP{}); return true;
+    case GgmlType::kQ2_K: f(Q2_KP{}); return true;
+    case GgmlType::kQ3_K: f(Q3_KP{}); return true;
     default: return false;
   }
 }
