@@ -490,7 +490,7 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRows& a
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
-#pragma GCC unroll 1
+#pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
       const int b = sb * G + j;
       if constexpr (P::kPer16) {
