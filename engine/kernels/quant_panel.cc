@@ -85,54 +85,65 @@ inline __m256 Byte256(__m256i v, int i) {
 //   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; ql: per (half h, s & 1) 8 rows
 //                 @288 + 512 (2h + s & 1) (low nibbles s < 2, high s ≥ 2); qh: per half 8 rows @2336 + 512h
 //   IQ4_XS        d @0; scales_h[16] u16 @32; scales_l as a row of dwords @64; per sub-block 4 rows @128 + 256j
-struct Q4_0P {
-  static constexpr int kValues = 32, kBlockBytes = 18, kBias = 8;
-  static constexpr bool kSigned2 = false, kPer16 = false, kOff = false;
-  template <class F>
-  static void Chunks(int c, F f) {
-    f(0, 2 * c, 2);
-    for (int q = 0; q < 4; ++q) f(2 + 4 * q, 32 + 64 * q + 4 * c, 4);
-  }
-  template <class F>
-  static void Masks(int, F) {}
-  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
-    const __m512i v = Row512(d + 32 + 64 * (t % 4));
-    return t < 4 ? Lo4x64(v) : Hi4x64(v);
-  }
-  static __m256i W256(const uint8_t* d, int, int t, int h) {
-    const __m256i v = Row256(d + 32 + 64 * (t % 4), h);
-    return t < 4 ? Lo4x32(v) : Hi4x32(v);
-  }
+// The per-32 scale (d, f16 at 0 in the panel block), with no offset or with a minimum m (f16 at 32, value =
+// d × q + m, so the offset is −m).
+struct Scale32 {
+  static constexpr bool kOff = false;
   QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int, int) { return F16x16(d); }
   static __m256 Sc256(const uint8_t* d, int, int, int h) { return F16x8(d, h); }
   QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int, int) { return _mm512_setzero_ps(); }
   static __m256 Off256(const uint8_t*, int, int, int) { return _mm256_setzero_ps(); }
 };
+struct ScaleMin32 : Scale32 {
+  static constexpr bool kOff = true;
+  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int, int) {
+    return _mm512_xor_ps(F16x16(d + 32), _mm512_set1_ps(-0.0f));
+  }
+  static __m256 Off256(const uint8_t* d, int, int, int h) {
+    return _mm256_xor_ps(F16x8(d + 32, h), _mm256_set1_ps(-0.0f));
+  }
+};
+// The 32-value types with 4-bit codes (Q4_0, Q4_1, Q5_0, Q5_1): in the file, d (and m) first, the fifth bits
+// as 32 bits at kFileQh (0: none), the nibbles at kFileQs; in the panel block, the masks at kMask and the 4
+// quant rows at kQuant.
+template <int kBytes, int kBias_, int kFileQh, int kFileQs, int kMask, int kQuant, class S>
+struct Block32 : S {
+  static constexpr int kValues = 32, kBlockBytes = kBytes, kBias = kBias_;
+  static constexpr bool kSigned2 = false, kPer16 = false;
+  template <class F>
+  static void Chunks(int c, F f) {
+    f(0, 2 * c, 2);
+    if constexpr (S::kOff) f(2, 32 + 2 * c, 2);
+    for (int q = 0; q < 4; ++q) f(kFileQs + 4 * q, kQuant + 64 * q + 4 * c, 4);
+  }
+  template <class F>
+  static void Masks(int c, F f) {
+    if constexpr (kMask != 0) {
+      for (int v = 0; v < 32; ++v) f(kFileQh + v / 8, v % 8, kMask + 8 * (v / 4), 4 * c + v % 4);
+    }
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
+    const __m512i v = Row512(d + kQuant + 64 * (t % 4));
+    const __m512i q = t < 4 ? Lo4x64(v) : Hi4x64(v);
+    if constexpr (kMask != 0) return _mm512_or_si512(q, Fifth512(d + kMask + 8 * t));
+    return q;
+  }
+  static __m256i W256(const uint8_t* d, int, int t, int h) {
+    const __m256i v = Row256(d + kQuant + 64 * (t % 4), h);
+    const __m256i q = t < 4 ? Lo4x32(v) : Hi4x32(v);
+    if constexpr (kMask != 0) return _mm256_or_si256(q, Fifth256(d + kMask + 8 * t, h));
+    return q;
+  }
+};
+using Q4_0P = Block32<18, 8, 0, 2, 0, 32, Scale32>;
+using Q5_0P = Block32<22, 16, 2, 6, 32, 96, Scale32>;
+using Q4_1P = Block32<20, 0, 0, 4, 0, 64, ScaleMin32>;
+using Q5_1P = Block32<24, 0, 4, 8, 64, 128, ScaleMin32>;
 struct Iq4NlP : Q4_0P {
   static constexpr int kBias = 128;
   static constexpr bool kSigned2 = true;
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) { return Iq4Book512(Q4_0P::W512(d, j, t)); }
   static __m256i W256(const uint8_t* d, int j, int t, int h) { return Iq4Book256(Q4_0P::W256(d, j, t, h)); }
-};
-struct Q5_0P : Q4_0P {
-  static constexpr int kBlockBytes = 22, kBias = 16;
-  template <class F>
-  static void Chunks(int c, F f) {
-    f(0, 2 * c, 2);
-    for (int q = 0; q < 4; ++q) f(6 + 4 * q, 96 + 64 * q + 4 * c, 4);
-  }
-  template <class F>
-  static void Masks(int c, F f) {
-    for (int v = 0; v < 32; ++v) f(2 + v / 8, v % 8, 32 + 8 * (v / 4), 4 * c + v % 4);
-  }
-  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
-    const __m512i v = Row512(d + 96 + 64 * (t % 4));
-    return _mm512_or_si512(t < 4 ? Lo4x64(v) : Hi4x64(v), Fifth512(d + 32 + 8 * t));
-  }
-  static __m256i W256(const uint8_t* d, int, int t, int h) {
-    const __m256i v = Row256(d + 96 + 64 * (t % 4), h);
-    return _mm256_or_si256(t < 4 ? Lo4x32(v) : Hi4x32(v), Fifth256(d + 32 + 8 * t, h));
-  }
 };
 struct Q8_0P : Q4_0P {
   static constexpr int kBlockBytes = 34, kBias = 128;
@@ -146,52 +157,6 @@ struct Q8_0P : Q4_0P {
     return _mm512_xor_si512(Row512(d + 32 + 64 * t), _mm512_set1_epi8(static_cast<char>(0x80)));
   }
   static __m256i W256(const uint8_t* d, int, int t, int h) { return Row256(d + 32 + 64 * t, h); }
-};
-struct Q4_1P : Q4_0P {
-  static constexpr int kBlockBytes = 20, kBias = 0;
-  static constexpr bool kOff = true;
-  template <class F>
-  static void Chunks(int c, F f) {
-    f(0, 2 * c, 2);
-    f(2, 32 + 2 * c, 2);
-    for (int q = 0; q < 4; ++q) f(4 + 4 * q, 64 + 64 * q + 4 * c, 4);
-  }
-  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
-    const __m512i v = Row512(d + 64 + 64 * (t % 4));
-    return t < 4 ? Lo4x64(v) : Hi4x64(v);
-  }
-  static __m256i W256(const uint8_t* d, int, int t, int h) {
-    const __m256i v = Row256(d + 64 + 64 * (t % 4), h);
-    return t < 4 ? Lo4x32(v) : Hi4x32(v);
-  }
-  // value = d × q + m: the offset is −m.
-  QKV_AVX512_VNNI static __m512 Off512(const uint8_t* d, int, int) {
-    return _mm512_xor_ps(F16x16(d + 32), _mm512_set1_ps(-0.0f));
-  }
-  static __m256 Off256(const uint8_t* d, int, int, int h) {
-    return _mm256_xor_ps(F16x8(d + 32, h), _mm256_set1_ps(-0.0f));
-  }
-};
-struct Q5_1P : Q4_1P {
-  static constexpr int kBlockBytes = 24;
-  template <class F>
-  static void Chunks(int c, F f) {
-    f(0, 2 * c, 2);
-    f(2, 32 + 2 * c, 2);
-    for (int q = 0; q < 4; ++q) f(8 + 4 * q, 128 + 64 * q + 4 * c, 4);
-  }
-  template <class F>
-  static void Masks(int c, F f) {
-    for (int v = 0; v < 32; ++v) f(4 + v / 8, v % 8, 64 + 8 * (v / 4), 4 * c + v % 4);
-  }
-  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
-    const __m512i v = Row512(d + 128 + 64 * (t % 4));
-    return _mm512_or_si512(t < 4 ? Lo4x64(v) : Hi4x64(v), Fifth512(d + 64 + 8 * t));
-  }
-  static __m256i W256(const uint8_t* d, int, int t, int h) {
-    const __m256i v = Row256(d + 128 + 64 * (t % 4), h);
-    return _mm256_or_si256(t < 4 ? Lo4x32(v) : Hi4x32(v), Fifth256(d + 64 + 8 * t, h));
-  }
 };
 struct Q4_KP {
   static constexpr int kValues = 256, kBlockBytes = 144, kBias = 0;
