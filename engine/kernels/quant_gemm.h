@@ -2,9 +2,9 @@
 //
 // Activations are quantized to int8 per row and per block of 32 values (scale = max|x| / 127, rounded to
 // nearest), never per batch, so a row's int8 image does not depend on the other rows. Weight rows in
-// panels of 16 (most types; quant_panel.h) give each output one accumulator that takes each block's exact
-// int32 sum. The other rows (Q2_K, Q3_K, and rows past a part's last whole panel) are decoded to int8
-// values and per-16 scales and offsets (DecodeRowI8), and each output is
+// panels of 16 (quant_panel.h) give each output one accumulator that takes each block's exact int32 sum.
+// The other rows (past a part's last whole panel) are decoded to int8 values and per-16 scales and offsets
+// (DecodeRowI8), and each output is
 //   Σ over 32-blocks b, in order, of 8 lanes: lane i += float(Σ_{4 values} w·a) · (w_scale · a_scale)
 //                                             − w_offset · (a_scale · Σ_{4 values} a)
 // with integer products summed exactly in int32 and the 8 lanes added in a fixed order at the end. The
@@ -42,11 +42,11 @@ struct QuantizedRows {
   }
 };
 
-// Rows of the types with a panel kernel (all but Q2_K and Q3_K) are stored in panels of 16 (quant_panel.h),
-// as far as a part has whole panels. Other rows are stored in groups of kInterleave whose
-// blocks alternate (row 0 block 0, row 1 block 0, ..., row 0 block 1, ...): decode reads a group as one
-// sequential stream. Rows past the last whole group are stored one after another. The bytes are the
-// file's, reordered; nothing is added. Which kernel computes a row depends on its place in its part only.
+// Rows are stored in panels of 16 (quant_panel.h) as far as a part has whole panels. Other rows are stored
+// in groups of kInterleave whose blocks alternate (row 0 block 0, row 1 block 0, ..., row 0 block 1, ...):
+// decode reads a group as one sequential stream. Rows past the last whole group are stored one after
+// another. The bytes are the file's, reordered; nothing is added. Which kernel computes a row depends on
+// its place in its part only.
 inline constexpr int kInterleave = 4;
 
 class QuantWeights {
