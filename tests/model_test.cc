@@ -224,6 +224,49 @@ TEST(Model, DeepseekExpertsKeepTheSameBits) {
   }
 }
 
+// Experts on quantized weights run fused in one OpenMP region (moe_swiglu.cc); QKV_MOE_FUSED=0 runs each
+// expert's GEMMs through Linear::Forward. Both give the same bits: a 24-token prefill (several tokens per
+// expert, tiles of 8, 4, 2 and 1 rows over routed rows), then 4 decoded tokens, on qwen3moe and on deepseek2
+// with shared experts and group-limited sigmoid routing.
+TEST(Model, FusedQuantizedExpertsKeepThePerExpertBits) {
+  for (Arch arch : {Arch::kQwen3Moe, Arch::kDeepseek2}) {
+    for (const char* preset : {"Q8_0", "Q4_K_M"}) {
+      SCOPED_TRACE(std::string(ArchName(arch)) + " " + preset);
+      ModelConfig cfg = testing::SmallConfig(arch);
+      cfg.moe.n_experts = 8, cfg.moe.n_used = 3, cfg.moe.expert_ffn = 64;
+      if (arch == Arch::kDeepseek2) {
+        cfg.n_layers = 2, cfg.n_dense_lead = 1, cfg.moe.n_shared = 1, cfg.moe.gating = ExpertGating::kSigmoid;
+        cfg.moe.norm_weights = true, cfg.moe.weights_scale = 2.5, cfg.moe.n_groups = 4, cfg.moe.n_group_used = 2;
+        cfg.moe.selection_bias = true;
+      }
+      if (std::string(preset) == "Q4_K_M") {
+        cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32, cfg.moe.expert_ffn = 256;
+        if (cfg.is_mla())
+          cfg.mla.kv_lora_rank = 64, cfg.mla.q_lora_rank = 256, cfg.head_dim = 96, cfg.mla.qk_nope_dim = 32;
+      }
+      const std::string path = ::testing::TempDir() + "/fused_" + preset + "_" + ArchName(arch) + ".gguf";
+      ASSERT_TRUE(WriteRandomModel(cfg, {GgmlType::kF32, 1, preset, {}}, path).ok());
+      std::vector<float> out[2];
+      for (int fused = 0; fused < 2; ++fused) {
+        if (fused == 0) setenv("QKV_MOE_FUSED", "0", 1);
+        auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
+        unsetenv("QKV_MOE_FUSED");
+        ASSERT_TRUE(m);
+        SeqKv seq;
+        out[fused] = Feed(*m, seq, Prompt(24, cfg.vocab), true);
+        for (int step = 0; step < 4; ++step) {
+          const int next = ArgMax(&out[fused][out[fused].size() - cfg.vocab], cfg.vocab);
+          const std::vector<float> l = Feed(*m, seq, {next}, false);
+          out[fused].insert(out[fused].end(), l.begin(), l.end());
+        }
+        ReleaseAll(*m, seq);
+      }
+      ASSERT_EQ(out[0].size(), out[1].size());
+      EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest,
                          ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe,
                                            Arch::kQwen35),

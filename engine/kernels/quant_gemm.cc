@@ -214,12 +214,12 @@ struct RowPtrs {
   const int8_t* q[R];
   const float* scale[R];
   const float* sum4[R];
-  RowPtrs(const QuantizedRows& a, int r0) {
+  RowPtrs(const QuantizedRowSet& a, int r0) {
     for (int r = 0; r < R; ++r) {
-      const size_t row = static_cast<size_t>(r0 + r);
-      q[r] = a.q.data() + row * a.k;
-      scale[r] = a.scale.data() + row * (a.k / 32);
-      sum4[r] = a.sum4.data() + row * (a.k / 4);
+      const size_t row = a.row(r0 + r), k = static_cast<size_t>(a.src->k);
+      q[r] = a.src->q.data() + row * k;
+      scale[r] = a.src->scale.data() + row * (k / 32);
+      sum4[r] = a.src->sum4.data() + row * (k / 4);
     }
   }
 };
@@ -237,7 +237,7 @@ inline void PrepareBlocks(const uint8_t* const* w, size_t stride, int sb, const 
 }
 
 template <class D, int R, int C, bool kOff>
-void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
+void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRowSet& a, int r0, float* out, int ldo) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -370,7 +370,7 @@ QKV_AVX512_VNNI inline __m512i WeightPair(const uint8_t* b0, const uint8_t* b1, 
 }
 
 template <class D, int R, int CP, bool kOff>
-QKV_AVX512_VNNI void DotTile512(const uint8_t* const* w, size_t stride, int k, const QuantizedRows& a, int r0,
+QKV_AVX512_VNNI void DotTile512(const uint8_t* const* w, size_t stride, int k, const QuantizedRowSet& a, int r0,
                                 float* out, int ldo) {
   constexpr int C = 2 * CP;
   const __m512i k80 = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -429,7 +429,7 @@ QKV_AVX512_VNNI void DotTile512(const uint8_t* const* w, size_t stride, int k, c
 
 // All rows of `a` against C weight rows of type D; out is [a.m][ldo].
 template <class D, int C, bool kOff>
-void DotCols(const uint8_t* const* w, size_t stride, int k, const QuantizedRows& a, float* out, int ldo) {
+void DotCols(const uint8_t* const* w, size_t stride, int k, const QuantizedRowSet& a, float* out, int ldo) {
   int r = 0;
   if constexpr (C <= 2) {
     for (; r + 4 <= a.m; r += 4) DotTile<D, 4, C, kOff>(w, stride, k, a, r, out + r * ldo, ldo);
@@ -443,7 +443,7 @@ void DotCols(const uint8_t* const* w, size_t stride, int k, const QuantizedRows&
 // single stream reads fastest: 20-23 GB/s on 2 threads against 9-13 with 2 or 4 separate rows side by
 // side; groups of 4 beat groups of 2 and 8; measured on an AVX2 EPYC). For 4 or more, 2 columns × 4 rows.
 template <class D, bool kOff>
-void DotType(const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a, float* out, int ldo) {
+void DotType(const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRowSet& a, float* out, int ldo) {
   int c = 0;
   if (a.m < 4) {
     if (stride == static_cast<size_t>(kInterleave) * D::kBytes) {
@@ -460,7 +460,7 @@ void DotType(const uint8_t* const* w, size_t stride, int n, int k, const Quantiz
 // rows is 2 pairs, one activation row at a time; otherwise 4 rows × 2 pairs. Odd columns left at the end
 // run on the AVX2 tile (same bits).
 template <class D, bool kOff>
-QKV_AVX512_VNNI void DotType512(const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a,
+QKV_AVX512_VNNI void DotType512(const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRowSet& a,
                                 float* out, int ldo) {
   int c = 0;
   if (a.m < 4) {
@@ -481,7 +481,7 @@ QKV_AVX512_VNNI void DotType512(const uint8_t* const* w, size_t stride, int n, i
 }
 
 template <class D, bool kOff>
-void DotAt(bool vnni, const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a, float* out,
+void DotAt(bool vnni, const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRowSet& a, float* out,
            int ldo) {
   if (vnni) {
     DotType512<D, kOff>(w, stride, n, k, a, out, ldo);
@@ -490,7 +490,7 @@ void DotAt(bool vnni, const uint8_t* const* w, size_t stride, int n, int k, cons
   }
 }
 
-void Dot(bool vnni, GgmlType t, const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRows& a,
+void Dot(bool vnni, GgmlType t, const uint8_t* const* w, size_t stride, int n, int k, const QuantizedRowSet& a,
          float* out, int ldo) {
   switch (t) {
     case GgmlType::kQ8_0: return DotAt<DecQ8_0, false>(vnni, w, stride, n, k, a, out, ldo);
@@ -517,19 +517,19 @@ void QuantizedRows::Resize(int rows, int cols) {
   if (q.size() < n) q.resize(n), scale.resize(n / 32), sum4.resize(n / 4), sum16.resize(n / 16), sum32.resize(n / 32);
 }
 
-void QuantizedRows::Quantize(const float* x, int r0, int r1) {
+void QuantizedRows::QuantizeBlocks(const float* x, size_t ldx, int r0, int r1, int b0, int b1) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i ones8 = _mm256_set1_epi8(1);
   const __m256i ones16 = _mm256_set1_epi16(1);
   for (int r = r0; r < r1; ++r) {
-    const float* xr = x + static_cast<size_t>(r) * k;
+    const float* xr = x + static_cast<size_t>(r) * ldx;
     int8_t* qr = q.data() + static_cast<size_t>(r) * k;
     float* sr = scale.data() + static_cast<size_t>(r) * (k / 32);
     float* s4 = sum4.data() + static_cast<size_t>(r) * (k / 4);
     int32_t* s16 = sum16.data() + static_cast<size_t>(r) * (k / 16);
     int32_t* s32 = sum32.data() + static_cast<size_t>(r) * (k / 32);
-    for (int b = 0; b < k / 32; ++b) {
+    for (int b = b0; b < b1; ++b) {
       __m256 v[4];
       __m256 amax = _mm256_setzero_ps();
       for (int j = 0; j < 4; ++j) {
@@ -627,7 +627,7 @@ void QuantWeights::DequantizeRow(int r, float* dst) const {
   }
 }
 
-void QuantWeights::Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const {
+void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, size_t ldy) const {
   // Columns in runs of one type, 64 at a time (the tile's output stays in L1); a panel is a run of its own.
   constexpr int kRun = 64;
   thread_local std::vector<float> out;

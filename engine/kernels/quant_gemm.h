@@ -35,11 +35,23 @@ struct QuantizedRows {
   std::vector<int32_t> sum32;  // [m][k / 32]: sum of the block's q
   // Quantizes rows [r0, r1) of x (row stride k); Resize first.
   void Resize(int rows, int cols);
-  void Quantize(const float* x, int r0, int r1);
+  void Quantize(const float* x, int r0, int r1) { QuantizeBlocks(x, static_cast<size_t>(k), r0, r1, 0, k / 32); }
+  // Quantizes the 32-blocks [b0, b1) of rows [r0, r1) of x (row stride ldx); each block's values, scale and
+  // sums depend on that block only, so a row quantized in pieces has the bits of one quantized whole.
+  void QuantizeBlocks(const float* x, size_t ldx, int r0, int r1, int b0, int b1);
   size_t bytes() const {
     return q.capacity() + (scale.capacity() + sum4.capacity()) * sizeof(float) +
            (sum16.capacity() + sum32.capacity()) * sizeof(int32_t);
   }
+};
+
+// The rows of a QuantizedRows a GEMM reads: output row i takes row idx[i] of src (rows 0 .. m − 1 in order
+// when idx is null), so that tokens routed to one expert need no copy of their activations.
+struct QuantizedRowSet {
+  const QuantizedRows* src;
+  const int* idx;
+  int m;
+  size_t row(int i) const { return static_cast<size_t>(idx ? idx[i] : i); }
 };
 
 // Rows are stored in panels of 16 (quant_panel.h) as far as a part has whole panels. Other rows are stored
@@ -77,7 +89,11 @@ class QuantWeights {
   int UnitStart(int c) const { return c >= n_ ? n_ : rows_[c].unit; }
   // y[i, c] for rows i < a.m and columns c in [c0, c1); y has row stride ldy. Column ranges that start
   // and end on unit starts (UnitStart) read whole units; others compute a cut panel whole.
-  void Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const;
+  void Compute(const QuantizedRows& a, int c0, int c1, float* y, size_t ldy) const {
+    Compute(QuantizedRowSet{&a, nullptr, a.m}, c0, c1, y, ldy);
+  }
+  // The same for the rows a selects: y row i from row a.row(i).
+  void Compute(const QuantizedRowSet& a, int c0, int c1, float* y, size_t ldy) const;
 
  private:
   struct Row {

@@ -431,22 +431,32 @@ struct ARows {
   const float* s[R];
   const int32_t* s16[R];
   const int32_t* s32[R];
-  ARows(const QuantizedRows& a, int r0) {
+  ARows(const QuantizedRowSet& a, int r0) {
     for (int r = 0; r < R; ++r) {
-      const size_t row = static_cast<size_t>(r0 + r);
-      q[r] = a.q.data() + row * a.k;
-      s[r] = a.scale.data() + row * (a.k / 32);
-      s16[r] = a.sum16.data() + row * (a.k / 16);
-      s32[r] = a.sum32.data() + row * (a.k / 32);
+      const size_t row = a.row(r0 + r), k = static_cast<size_t>(a.src->k);
+      q[r] = a.src->q.data() + row * k;
+      s[r] = a.src->scale.data() + row * (k / 32);
+      s16[r] = a.src->sum16.data() + row * (k / 16);
+      s32[r] = a.src->sum32.data() + row * (k / 32);
     }
   }
 };
+
+// Decode tiles (few activation rows) are bound by reading the weights: each super-block asks for the
+// bytes 4 KiB ahead (the next super-blocks of the panel, then the next panel, which follows it). The hardware
+// prefetcher alone left 2-thread GEMVs at 54 (Q6_K) to 82 (Q4_K) GB/s where this reads 76-90, and a
+// decoded token's experts (short streams of 0.15-0.3 MB per thread) gain 10-25% (measured on a Zen 5 EPYC).
+template <size_t kBytes>
+inline void PrefetchAhead(const uint8_t* d) {
+  constexpr size_t kAhead = 4096;
+  for (size_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(d + kAhead + o), _MM_HINT_T0);
+}
 
 // ---- AVX-512 VNNI: R activation rows (from r0) against a panel. Per sub-block (or half, for kPer16) the
 // int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs as two
 // chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
 template <class P, int R>
-QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
+QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRowSet& a, int r0, float* out, int ldo) {
   constexpr int G = P::kValues / 32;
   constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
   constexpr bool kTwo = R < 4 && !P::kPer16;
@@ -455,6 +465,7 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRows& a
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
+    if constexpr (R <= 2) PrefetchAhead<PB>(d);
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
       const int b = sb * G + j;
@@ -522,7 +533,7 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRows& a
 }
 
 template <class P>
-QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
+QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const QuantizedRowSet& a, float* out, int ldo) {
   int r = 0;
   for (; r + 8 <= a.m; r += 8) Tile512<P, 8>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
   if (r + 4 <= a.m) Tile512<P, 4>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo), r += 4;
@@ -534,7 +545,7 @@ QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const QuantizedRows& a,
 // maddubs + madd (unsigned w + kBias, or |w| against a × sign(w) for the signed formats: no saturation,
 // since |a| ≤ 127) and the same float operations.
 template <class P, int R, int H>
-void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRows& a, int r0, float* out, int ldo) {
+void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRowSet& a, int r0, float* out, int ldo) {
   constexpr int G = P::kValues / 32;
   constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
   constexpr int kBias = P::kSigned2 ? 0 : P::kBias;
@@ -545,6 +556,7 @@ void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRows& a, int r0
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
+    if constexpr (R == 1) PrefetchAhead<PB>(d);
 #pragma GCC unroll 1
     for (int j = 0; j < G; ++j) {
       const int b = sb * G + j;
@@ -596,7 +608,7 @@ void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRows& a, int r0
 }
 
 template <class P>
-void Dot256(const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
+void Dot256(const uint8_t* panel, int k, const QuantizedRowSet& a, float* out, int ldo) {
   int r = 0;
   for (; r + 4 <= a.m; r += 4)
     for (int h = 0; h < 2; ++h) Tile256<P, 4, 1>(panel, h, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
@@ -659,7 +671,7 @@ void PanelBlock(GgmlType t, const uint8_t* panel, int b, int c, uint8_t* dst) {
   });
 }
 
-void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo) {
+void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRowSet& a, float* out, int ldo) {
   WithFormat(t, [&](auto p) {
     using P = decltype(p);
     if (vnni) {

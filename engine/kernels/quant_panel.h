@@ -20,7 +20,7 @@
 
 namespace qkv {
 
-struct QuantizedRows;
+struct QuantizedRowSet;
 
 inline constexpr int kPanelRows = 16;
 
@@ -31,6 +31,6 @@ void RepackPanel(GgmlType t, const uint8_t* src, size_t row_bytes, int k, uint8_
 // The file's bytes of block b of row c of a panel (GgmlBlockBytes(t) bytes to dst).
 void PanelBlock(GgmlType t, const uint8_t* panel, int b, int c, uint8_t* dst);
 // out[r × ldo + c] = Σ_b (see above) for every activation row r < a.m and panel row c < kPanelRows.
-void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRows& a, float* out, int ldo);
+void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRowSet& a, float* out, int ldo);
 
 }  // namespace qkv
