@@ -85,17 +85,20 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
     }
     return Linear::CreateQuantized(gemm, std::make_shared<const QuantWeights>(parts, k, bias));
   }
-  std::map<std::string, std::vector<float>> read;
-  std::vector<float> w;
-  w.reserve(static_cast<size_t>(n) * k);
-  for (const WeightRows& r : rows) {
-    auto it = read.find(r.tensor);
-    if (it == read.end()) {
-      QKV_ASSIGN_OR_RETURN(std::vector<float> v, ReadTensor(f, r.tensor, r.ne(K)));
-      it = read.emplace(r.tensor, std::move(v)).first;
+  // Only the rows this GEMM takes, expanded to f32 (one expert of a stacked tensor reads its slice alone).
+  std::vector<float> w(static_cast<size_t>(n) * k);
+  float* at = w.data();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const GgufTensor& t = *tensors[i];
+    if (!GgmlTypeKnown(static_cast<uint32_t>(t.type)))
+      return DataLoss("gguf: tensor '" + t.name + "' has an unsupported type");
+    const size_t count = static_cast<size_t>(rows[i].n) * k;
+    DequantizeRow(t.type, t.data + static_cast<uint64_t>(rows[i].r0) * GgmlRowBytes(t.type, K),
+                  static_cast<int64_t>(count), at);
+    for (size_t j = 0; j < count; ++j) {
+      if (!std::isfinite(at[j])) return DataLoss("model: tensor '" + rows[i].tensor + "' holds a non-finite value");
     }
-    w.insert(w.end(), it->second.begin() + static_cast<size_t>(r.r0) * k,
-             it->second.begin() + static_cast<size_t>(r.r0 + r.n) * k);
+    at += count;
   }
   return Linear::Create(gemm, w.data(), bias, n, k, dtype);
 }

@@ -123,27 +123,13 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
   const GgufTensor* dt = in.file.FindTensor(td);
   const bool quant = in.keep_quantized && gt && ut && dt && GgmlIsQuantized(gt->type) && GgmlIsQuantized(ut->type) &&
                      GgmlIsQuantized(dt->type) && H % 32 == 0 && F % 32 == 0;
-  if (quant) {  // slices of the stacked tensors, kept in their block formats
-    for (int e = 0; e < E; ++e) {
-      QKV_ASSIGN_OR_RETURN(auto gu, mk({{tg, U(F * E), e * F, F, U(E)}, {tu, U(F * E), e * F, F, U(E)}}, H));
-      QKV_ASSIGN_OR_RETURN(auto dn, mk({{td, U(H * E), e * H, H, U(E)}}, F));
-      L->gate_up_.push_back(std::move(gu));
-      L->down_.push_back(std::move(dn));
-    }
-  } else {  // each stacked tensor read once, then one GEMM per expert
-    QKV_ASSIGN_OR_RETURN(std::vector<float> g, ReadTensor(in.file, tg, {U(H), U(F), U(E)}));
-    QKV_ASSIGN_OR_RETURN(std::vector<float> u, ReadTensor(in.file, tu, {U(H), U(F), U(E)}));
-    QKV_ASSIGN_OR_RETURN(std::vector<float> d, ReadTensor(in.file, td, {U(F), U(H), U(E)}));
-    std::vector<float> w(2 * static_cast<size_t>(F) * H);
-    for (int e = 0; e < E; ++e) {
-      const size_t off = static_cast<size_t>(e) * F * H;
-      std::copy_n(&g[off], static_cast<size_t>(F) * H, w.begin());
-      std::copy_n(&u[off], static_cast<size_t>(F) * H, w.begin() + static_cast<ptrdiff_t>(F) * H);
-      QKV_ASSIGN_OR_RETURN(auto gu, Linear::Create(in.gemm, w.data(), nullptr, 2 * F, H, in.weights_dtype));
-      QKV_ASSIGN_OR_RETURN(auto dn, Linear::Create(in.gemm, &d[off], nullptr, H, F, in.weights_dtype));
-      L->gate_up_.push_back(std::move(gu));
-      L->down_.push_back(std::move(dn));
-    }
+  // One expert at a time: its slices of the stacked tensors, kept in their block formats when quantized
+  // (nothing copied per step), else expanded to f32 and created in the weights dtype.
+  for (int e = 0; e < E; ++e) {
+    QKV_ASSIGN_OR_RETURN(auto gu, mk({{tg, U(F * E), e * F, F, U(E)}, {tu, U(F * E), e * F, F, U(E)}}, H));
+    QKV_ASSIGN_OR_RETURN(auto dn, mk({{td, U(H * E), e * H, H, U(E)}}, F));
+    L->gate_up_.push_back(std::move(gu));
+    L->down_.push_back(std::move(dn));
   }
   if (m.n_shared > 0) {
     const int SF = m.n_shared * F;
