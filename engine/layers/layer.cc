@@ -40,15 +40,25 @@ Status CheckQuantizedFinite(const GgufTensor& t, uint64_t k, uint64_t r0 = 0, ui
   return {};
 }
 
+// Rows [r0, r0 + n) of tensor t (rows of k values) expanded to f32 into dst, which must all be finite.
+Status ReadRows(const GgufTensor& t, uint64_t k, uint64_t r0, uint64_t n, const std::string& name, float* dst) {
+  if (!GgmlTypeKnown(static_cast<uint32_t>(t.type))) {
+    return DataLoss("gguf: tensor '" + t.name + "' has an unsupported type");
+  }
+  const uint64_t count = n * k;
+  DequantizeRow(t.type, t.data + r0 * GgmlRowBytes(t.type, k), static_cast<int64_t>(count), dst);
+  for (uint64_t j = 0; j < count; ++j) {
+    if (!std::isfinite(dst[j])) return DataLoss("model: tensor '" + name + "' holds a non-finite value");
+  }
+  return {};
+}
+
 }  // namespace
 
 StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& name, std::vector<uint64_t> ne) {
   QKV_ASSIGN_OR_RETURN(const GgufTensor* t, FindShaped(f, name, ne));
   std::vector<float> out(t->n_elements());
-  QKV_RETURN_IF_ERROR(DequantizeToF32(*t, out.data()));
-  for (float v : out) {
-    if (!std::isfinite(v)) return DataLoss("model: tensor '" + name + "' holds a non-finite value");
-  }
+  QKV_RETURN_IF_ERROR(ReadRows(*t, t->n_elements(), 0, 1, name, out.data()));
   return out;
 }
 
@@ -89,16 +99,9 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
   std::vector<float> w(static_cast<size_t>(n) * k);
   float* at = w.data();
   for (size_t i = 0; i < rows.size(); ++i) {
-    const GgufTensor& t = *tensors[i];
-    if (!GgmlTypeKnown(static_cast<uint32_t>(t.type)))
-      return DataLoss("gguf: tensor '" + t.name + "' has an unsupported type");
-    const size_t count = static_cast<size_t>(rows[i].n) * k;
-    DequantizeRow(t.type, t.data + static_cast<uint64_t>(rows[i].r0) * GgmlRowBytes(t.type, K),
-                  static_cast<int64_t>(count), at);
-    for (size_t j = 0; j < count; ++j) {
-      if (!std::isfinite(at[j])) return DataLoss("model: tensor '" + rows[i].tensor + "' holds a non-finite value");
-    }
-    at += count;
+    const auto r0 = static_cast<uint64_t>(rows[i].r0), n_i = static_cast<uint64_t>(rows[i].n);
+    QKV_RETURN_IF_ERROR(ReadRows(*tensors[i], K, r0, n_i, rows[i].tensor, at));
+    at += n_i * K;
   }
   return Linear::Create(gemm, w.data(), bias, n, k, dtype);
 }

@@ -158,7 +158,7 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
   L->route_.assign(rows * 2 * E, 0);
   L->idx_stride_ = std::max(E, m.n_groups);
   L->route_idx_.assign(rows * L->idx_stride_, 0);
-  L->xin_.assign(rows * H, 0);
+  if (!L->fused_) L->xin_.assign(rows * H, 0);  // the per-expert path's copy of an expert's tokens
   L->gu_.assign(rows * 2 * widest, 0);
   L->act_.assign(rows * widest, 0);
   L->y_.assign(rows * H, 0);
