@@ -117,10 +117,10 @@ void CheckAttention(const Case& c, int n_ctx, bool compare_levels = false) {
                          << " bs " << c.block_size << " n_ctx " << n_ctx;
 }
 
-// Every path of the kernel: group sizes 1-8 (the kernels take heads 1-4 at a time, the AVX-512 f32/bf16
-// scores up to 8), head
-// dims that are and are not multiples of 16 and 64, blocks of 16 (vector path) and of 8 (generic path),
-// sinks, and contexts that end inside a block.
+// Every path of the kernel: group sizes 1-8 (the kernels take heads 1-8 at a time), head dims that are and
+// are not multiples of 16 and 64, blocks of 16 (vector paths; f32/bf16 read in registers 1-8 blocks per tile
+// when the head dim is a multiple of 16) and of 8 (generic path), sinks, and contexts that end inside a block
+// (300: 19 blocks, whole multi-block tiles and their tail).
 TEST(Attention, MatchesDoublePrecisionOnEveryCacheDtype) {
   for (DType dt : {DType::kF32, DType::kBF16, DType::kI8}) {
     for (int hd : {8, 24, 32, 64, 128}) {
@@ -128,7 +128,7 @@ TEST(Attention, MatchesDoublePrecisionOnEveryCacheDtype) {
         for (int bs : {16, 8}) {
           if (hd == 8 && dt != DType::kI8) continue;  // the f32/bf16 paths take any head dim too, but keep it short
           const Case c{dt, nh, nkv, hd, bs, nh == 6};
-          for (int n : {1, 17, 40}) CheckAttention(c, n);
+          for (int n : {1, 17, 40, 300}) CheckAttention(c, n);
         }
       }
     }

@@ -143,18 +143,19 @@ inline void BlockScoresI8x16(const float* const* q, const int8_t* kt, int hd, co
   }
 }
 
-// o_h += Σ_j w_h[j] · v[j] for NH heads over nj int8 value rows of hd ([nj][hd]), 8·ND dims at a time:
-// each value row is converted once in registers and shared by the heads. Every output element is one
-// FMA chain in position order, whatever NH and ND.
-template <int NH, int ND>
-inline void WeightedSumI8(const float* const* w, const int8_t* v, int nj, int hd, float* const* o) {
+// o_h += Σ_j w_h[j] · v_j for NH heads over nj value rows of hd, 8·ND dims at a time; load(i) gives the
+// block's value elements [i, i + 8) as f32 (row j starts at j·hd). Each value row is loaded once in
+// registers and shared by the heads. Every output element is one FMA chain in position order, whatever NH
+// and ND.
+template <int NH, int ND, class Load>
+inline void WeightedSumTile8(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
   for (int d0 = 0; d0 < hd; d0 += 8 * ND) {
     __m256 acc[NH][ND];
     for (int h = 0; h < NH; ++h)
       for (int n = 0; n < ND; ++n) acc[h][n] = _mm256_loadu_ps(o[h] + d0 + 8 * n);
     for (int j = 0; j < nj; ++j) {
       __m256 vf[ND];
-      for (int n = 0; n < ND; ++n) vf[n] = I8x8ToF32(v + static_cast<size_t>(j) * hd + d0 + 8 * n);
+      for (int n = 0; n < ND; ++n) vf[n] = load(static_cast<size_t>(j) * hd + d0 + 8 * n);
       for (int h = 0; h < NH; ++h) {
         const __m256 wb = _mm256_broadcast_ss(w[h] + j);
         for (int n = 0; n < ND; ++n) acc[h][n] = _mm256_fmadd_ps(wb, vf[n], acc[h][n]);
@@ -164,6 +165,45 @@ inline void WeightedSumI8(const float* const* w, const int8_t* v, int nj, int hd
       for (int n = 0; n < ND; ++n) _mm256_storeu_ps(o[h] + d0 + 8 * n, acc[h][n]);
   }
 }
+// NH heads with up to 8 accumulators (16 ymm registers); hd is a multiple of 16.
+template <int NH, class Load>
+inline void WeightedSumHeads8(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
+  if constexpr (NH == 1) {
+    if (hd % 64 == 0) return WeightedSumTile8<1, 8>(w, load, nj, hd, o);
+  }
+  if constexpr (NH <= 2) {
+    if (hd % 32 == 0) return WeightedSumTile8<NH, 4>(w, load, nj, hd, o);
+  }
+  WeightedSumTile8<NH, 2>(w, load, nj, hd, o);
+}
+// Heads [0, n), 4 at a time.
+template <class Load>
+inline void WeightedSum8(const float* const* w, int n, const Load& load, int nj, int hd, float* const* o) {
+  int h = 0;
+  for (; h + 4 <= n; h += 4) WeightedSumHeads8<4>(w + h, load, nj, hd, o + h);
+  switch (n - h) {
+    case 3: WeightedSumHeads8<3>(w + h, load, nj, hd, o + h); break;
+    case 2: WeightedSumHeads8<2>(w + h, load, nj, hd, o + h); break;
+    case 1: WeightedSumHeads8<1>(w + h, load, nj, hd, o + h); break;
+    default: break;
+  }
+}
+struct LoadI8x8 {  // int8 values
+  const int8_t* v;
+  __m256 operator()(size_t i) const { return I8x8ToF32(v + i); }
+};
+template <bool BF16>
+struct LoadRow8 {  // f32 or bf16 values (bf16 → f32 is exact)
+  const uint8_t* v;
+  __m256 operator()(size_t i) const {
+    if constexpr (BF16) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(v) + i));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(v) + i);
+    }
+  }
+};
 
 // Pass 1 on an int8 block for the group's heads: scores[hh][j] = (q_hh · k_int_j) × s_j / sqrt(hd).
 template <class Kernels>
@@ -236,28 +276,65 @@ struct Avx2Kernels {
   static void WeightedSum(const float* w, const float* v, int nj, float* o) {
     qkv::WeightedSum<HD>(w, v, nj, o);
   }
+  // f32/bf16 blocks read in registers (AttendDirect), as Avx512Kernels' with two 8-lane halves per 16 lanes.
+  template <int NH, int NB, bool BF16>
+  static void ScoresTile(const float* const* q, const uint8_t* const* kt, int hd, float scale, float* const* sc,
+                         int sc_off) {
+    __m256 a[NB][NH][2];
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < NH; ++h) a[b][h][0] = a[b][h][1] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; ++d) {
+      __m256 k[NB][2];
+      for (int b = 0; b < NB; ++b) {
+        k[b][0] = LoadRow8<BF16>{kt[b]}(static_cast<size_t>(d) * 16);
+        k[b][1] = LoadRow8<BF16>{kt[b]}(static_cast<size_t>(d) * 16 + 8);
+      }
+      for (int h = 0; h < NH; ++h) {
+        const __m256 qd = _mm256_broadcast_ss(q[h] + d);
+        for (int b = 0; b < NB; ++b) {
+          a[b][h][0] = _mm256_fmadd_ps(qd, k[b][0], a[b][h][0]);
+          a[b][h][1] = _mm256_fmadd_ps(qd, k[b][1], a[b][h][1]);
+        }
+      }
+    }
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < NH; ++h) {
+        _mm256_storeu_ps(sc[h] + sc_off + 16 * b, _mm256_mul_ps(a[b][h][0], s));
+        _mm256_storeu_ps(sc[h] + sc_off + 16 * b + 8, _mm256_mul_ps(a[b][h][1], s));
+      }
+  }
+  template <int NH, int NB, bool BF16>
+  static void ScoresHeads(const float* const* q, const uint8_t* const* kt, int nb, int hd, float scale,
+                          float* const* sc) {
+    int b = 0;
+    for (; b + NB <= nb; b += NB) ScoresTile<NH, NB, BF16>(q, kt + b, hd, scale, sc, 16 * b);
+    for (; b < nb; ++b) ScoresTile<NH, 1, BF16>(q, kt + b, hd, scale, sc, 16 * b);
+  }
+  template <bool BF16>
+  static void ScoresBlocks(const float* const* q, int n, const uint8_t* const* kt, int nb, int hd, float scale,
+                           float* const* sc) {
+    int h = 0;
+    for (; h + 4 <= n; h += 4) ScoresHeads<4, 1, BF16>(q + h, kt, nb, hd, scale, sc + h);
+    switch (n - h) {
+      case 3: ScoresHeads<3, 1, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      case 2: ScoresHeads<2, 2, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      case 1: ScoresHeads<1, 4, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      default: break;
+    }
+  }
+  // hd is a multiple of 16; v: one block's values, [nj][hd].
+  template <bool BF16>
+  static void SumBlock(const float* const* w, int n, const uint8_t* v, int nj, int hd, float* const* o) {
+    WeightedSum8(w, n, LoadRow8<BF16>{v}, nj, hd, o);
+  }
   template <int NH>
   static void ScoresI8x16(const float* const* q, const int8_t* kt, int hd, const float* slot_mul, float* const* sc) {
     BlockScoresI8x16<NH>(q, kt, hd, slot_mul, sc);
   }
   // hd is a multiple of 16.
   static void SumI8(const float* const* w, int group, const int8_t* v, int nj, int hd, float* const* o) {
-    if (group == 1) {
-      if (hd % 64 == 0) return WeightedSumI8<1, 8>(w, v, nj, hd, o);
-      return WeightedSumI8<1, 2>(w, v, nj, hd, o);
-    }
-    if (group == 2) {
-      if (hd % 32 == 0) return WeightedSumI8<2, 4>(w, v, nj, hd, o);
-      return WeightedSumI8<2, 2>(w, v, nj, hd, o);
-    }
-    int h = 0;
-    for (; h + 4 <= group; h += 4) WeightedSumI8<4, 2>(w + h, v, nj, hd, o + h);
-    switch (group - h) {
-      case 3: WeightedSumI8<3, 2>(w + h, v, nj, hd, o + h); break;
-      case 2: WeightedSumI8<2, 2>(w + h, v, nj, hd, o + h); break;
-      case 1: WeightedSumI8<1, 2>(w + h, v, nj, hd, o + h); break;
-      default: break;
-    }
+    WeightedSum8(w, group, LoadI8x8{v}, nj, hd, o);
   }
 };
 
@@ -280,6 +357,64 @@ QKV_AVX512 inline __m512 FastExp16(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
+
+// WeightedSumTile8 and its callers with 16 lanes (up to 16 accumulators of 32 zmm registers).
+template <int NH, int ND, class Load>
+QKV_AVX512 inline void WeightedSumTile16(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
+  for (int d0 = 0; d0 < hd; d0 += 16 * ND) {
+    __m512 acc[NH][ND];
+    for (int h = 0; h < NH; ++h)
+      for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_loadu_ps(o[h] + d0 + 16 * n);
+    for (int j = 0; j < nj; ++j) {
+      __m512 vf[ND];
+      for (int n = 0; n < ND; ++n) vf[n] = load(static_cast<size_t>(j) * hd + d0 + 16 * n);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 wb = _mm512_set1_ps(w[h][j]);
+        for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_fmadd_ps(wb, vf[n], acc[h][n]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int n = 0; n < ND; ++n) _mm512_storeu_ps(o[h] + d0 + 16 * n, acc[h][n]);
+  }
+}
+template <int NH, class Load>
+QKV_AVX512 inline void WeightedSumHeads16(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
+  if constexpr (NH <= 4) {
+    if (hd % 64 == 0) return WeightedSumTile16<NH, 4>(w, load, nj, hd, o);
+  }
+  if (hd % 32 == 0) return WeightedSumTile16<NH, 2>(w, load, nj, hd, o);
+  WeightedSumTile16<NH, 1>(w, load, nj, hd, o);
+}
+template <class Load>
+QKV_AVX512 inline void WeightedSum16(const float* const* w, int n, const Load& load, int nj, int hd, float* const* o) {
+  int h = 0;
+  for (; h + 8 <= n; h += 8) WeightedSumHeads16<8>(w + h, load, nj, hd, o + h);
+  if (h + 4 <= n) WeightedSumHeads16<4>(w + h, load, nj, hd, o + h), h += 4;
+  switch (n - h) {
+    case 3: WeightedSumHeads16<3>(w + h, load, nj, hd, o + h); break;
+    case 2: WeightedSumHeads16<2>(w + h, load, nj, hd, o + h); break;
+    case 1: WeightedSumHeads16<1>(w + h, load, nj, hd, o + h); break;
+    default: break;
+  }
+}
+struct LoadI8x16 {
+  const int8_t* v;
+  QKV_AVX512 __m512 operator()(size_t i) const {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))));
+  }
+};
+template <bool BF16>
+struct LoadRow16 {
+  const uint8_t* v;
+  QKV_AVX512 __m512 operator()(size_t i) const {
+    if constexpr (BF16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(v) + i));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(v) + i);
+    }
+  }
+};
 
 struct Avx512Kernels {
   QKV_AVX512 static void ToF32(const uint8_t* src, int n, DType dt, float* dst) {
@@ -339,58 +474,73 @@ struct Avx512Kernels {
     }
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
   }
+  // f32/bf16 blocks read in registers (bf16 → f32 is exact), several blocks and heads per tile so that
+  // enough independent FMA chains are in flight: one head's chain over the dims, or one block's, is
+  // latency-bound (decode attention ran at ~15 GB/s with K/V already in cache). Each lane is still the
+  // same chain in the same order as Scores16Tile / WeightedSum, so the bits do not change.
+  // Scores of NH heads against NB blocks of 16 transposed keys: sc[h] + 16 * b receives block b's.
+  template <int NH, int NB, bool BF16>
+  QKV_AVX512 static void ScoresTile(const float* const* q, const uint8_t* const* kt, int hd, float scale,
+                                    float* const* sc, int sc_off) {
+    __m512 a[NB][NH];
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < NH; ++h) a[b][h] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; ++d) {
+      __m512 k[NB];
+      for (int b = 0; b < NB; ++b) k[b] = LoadRow16<BF16>{kt[b]}(static_cast<size_t>(d) * 16);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 qd = _mm512_set1_ps(q[h][d]);
+        for (int b = 0; b < NB; ++b) a[b][h] = _mm512_fmadd_ps(qd, k[b], a[b][h]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < NH; ++h) _mm512_storeu_ps(sc[h] + sc_off + 16 * b, _mm512_mul_ps(a[b][h], s));
+  }
+  // NH heads against nb blocks, NB at a time.
+  template <int NH, int NB, bool BF16>
+  QKV_AVX512 static void ScoresHeads(const float* const* q, const uint8_t* const* kt, int nb, int hd, float scale,
+                                     float* const* sc) {
+    int b = 0;
+    for (; b + NB <= nb; b += NB) ScoresTile<NH, NB, BF16>(q, kt + b, hd, scale, sc, 16 * b);
+    for (; b < nb; ++b) ScoresTile<NH, 1, BF16>(q, kt + b, hd, scale, sc, 16 * b);
+  }
+  // Scores of heads [0, n) against nb consecutive 16-slot blocks (kt[i]: block i's keys, [hd][16]); sc[h]
+  // is head h's score row at the first block.
+  template <bool BF16>
+  QKV_AVX512 static void ScoresBlocks(const float* const* q, int n, const uint8_t* const* kt, int nb, int hd,
+                                      float scale, float* const* sc) {
+    int h = 0;
+    for (; h + 8 <= n; h += 8) ScoresHeads<8, 2, BF16>(q + h, kt, nb, hd, scale, sc + h);
+    if (h + 4 <= n) ScoresHeads<4, 4, BF16>(q + h, kt, nb, hd, scale, sc + h), h += 4;
+    switch (n - h) {
+      case 3: ScoresHeads<3, 4, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      case 2: ScoresHeads<2, 8, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      case 1: ScoresHeads<1, 8, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      default: break;
+    }
+  }
+  // hd is a multiple of 16; v: one block's values, [nj][hd].
+  template <bool BF16>
+  QKV_AVX512 static void SumBlock(const float* const* w, int n, const uint8_t* v, int nj, int hd, float* const* o) {
+    WeightedSum16(w, n, LoadRow16<BF16>{v}, nj, hd, o);
+  }
   // The int8 kernels with 16 lanes: a block's 16 keys in one zmm, 16 value dims per zmm. Each lane runs
   // the AVX2 kernel's chain (over the dims for a score, over the positions for an output element).
-  QKV_AVX512 static __m512 I8x16ToF32(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
   template <int NH>
   QKV_AVX512 static void ScoresI8x16(const float* const* q, const int8_t* kt, int hd, const float* slot_mul,
                                      float* const* sc) {
     __m512 a[NH];
     for (int h = 0; h < NH; ++h) a[h] = _mm512_setzero_ps();
     for (int d = 0; d < hd; ++d) {
-      const __m512 k = I8x16ToF32(kt + d * 16);
+      const __m512 k = LoadI8x16{kt}(static_cast<size_t>(d) * 16);
       for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h][d]), k, a[h]);
     }
     const __m512 m = _mm512_loadu_ps(slot_mul);
     for (int h = 0; h < NH; ++h) _mm512_storeu_ps(sc[h], _mm512_mul_ps(a[h], m));
   }
-  template <int NH, int ND>
-  QKV_AVX512 static void SumI8Tile(const float* const* w, const int8_t* v, int nj, int hd, float* const* o) {
-    for (int d0 = 0; d0 < hd; d0 += 16 * ND) {
-      __m512 acc[NH][ND];
-      for (int h = 0; h < NH; ++h)
-        for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_loadu_ps(o[h] + d0 + 16 * n);
-      for (int j = 0; j < nj; ++j) {
-        __m512 vf[ND];
-        for (int n = 0; n < ND; ++n) vf[n] = I8x16ToF32(v + static_cast<size_t>(j) * hd + d0 + 16 * n);
-        for (int h = 0; h < NH; ++h) {
-          const __m512 wb = _mm512_set1_ps(w[h][j]);
-          for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_fmadd_ps(wb, vf[n], acc[h][n]);
-        }
-      }
-      for (int h = 0; h < NH; ++h)
-        for (int n = 0; n < ND; ++n) _mm512_storeu_ps(o[h] + d0 + 16 * n, acc[h][n]);
-    }
-  }
   QKV_AVX512 static void SumI8(const float* const* w, int group, const int8_t* v, int nj, int hd, float* const* o) {
-    if (group == 1) {
-      if (hd % 64 == 0) return SumI8Tile<1, 4>(w, v, nj, hd, o);
-      return SumI8Tile<1, 1>(w, v, nj, hd, o);
-    }
-    if (group == 2) {
-      if (hd % 32 == 0) return SumI8Tile<2, 2>(w, v, nj, hd, o);
-      return SumI8Tile<2, 1>(w, v, nj, hd, o);
-    }
-    int h = 0;
-    for (; h + 4 <= group; h += 4) SumI8Tile<4, 1>(w + h, v, nj, hd, o + h);
-    switch (group - h) {
-      case 3: SumI8Tile<3, 1>(w + h, v, nj, hd, o + h); break;
-      case 2: SumI8Tile<2, 1>(w + h, v, nj, hd, o + h); break;
-      case 1: SumI8Tile<1, 1>(w + h, v, nj, hd, o + h); break;
-      default: break;
-    }
+    WeightedSum16(w, group, LoadI8x16{v}, nj, hd, o);
   }
 };
 }  // namespace
@@ -439,6 +589,114 @@ inline void PrefetchBytes(const uint8_t* p, size_t n) {
   for (size_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
 
+// The group's heads go through the kernels in chunks of up to kChunk, by pointers: Set(c0, b) points at heads
+// [c0, c0 + n) of the group (their queries, outputs, and score rows at block b) and returns n.
+struct HeadChunk {
+  static constexpr int kChunk = 32;
+  const float* q;
+  float* out;
+  float* scores;
+  size_t stride;
+  int hd, bs, group, h0;
+  const float* qp[kChunk] = {};
+  float* rows[kChunk] = {};
+  float* outs[kChunk] = {};
+  int Set(int c0, int b) {
+    const int n = std::min(kChunk, group - c0);
+    for (int i = 0; i < n; ++i) {
+      qp[i] = q + (h0 + c0 + i) * hd;
+      outs[i] = out + (h0 + c0 + i) * hd;
+      rows[i] = scores + (c0 + i) * stride + static_cast<size_t>(b) * bs;
+    }
+    return n;
+  }
+};
+
+// f32/bf16 blocks per tile in AttendDirect.
+constexpr int kDirectBlocks = 8;
+
+// Softmax per head of group g over [0, n_ctx) of its score rows (stride apart), with the optional sink in
+// the denominator; zeroes the heads' outputs for pass 2.
+template <class Kernels>
+inline void Softmax(float* scores, size_t stride, int n_ctx, float* out, const AttentionShape& shape, int g) {
+  const int hd = shape.head_dim;
+  const int group = shape.n_heads / shape.n_kv_heads;
+  const int h0 = g * group;
+  for (int hh = 0; hh < group; ++hh) {
+    float* sc = scores + hh * stride;
+    float m = Max(sc, n_ctx);
+    const float sink = shape.sinks ? shape.sinks[h0 + hh] : -INFINITY;
+    m = std::max(m, sink);
+    // Exponentials 8 at a time over whole vectors (the row is padded to whole blocks; lanes past n_ctx
+    // are never read), so a position's weight does not depend on where n_ctx ends.
+    Kernels::ExpShift(sc, n_ctx, m);
+    float sum = Sum(sc, n_ctx);
+    if (shape.sinks) sum += FastExp(sink - m);
+    const float inv = 1.0f / sum;
+    for (int j = 0; j < n_ctx; ++j) sc[j] *= inv;
+    std::memset(out + (h0 + hh) * hd, 0, sizeof(float) * hd);
+  }
+}
+
+// AttendBody's pass 1, softmax and pass 2 on f32/bf16 blocks of 16 slots, read in registers by the kernels.
+template <class Kernels>
+inline void AttendDirect(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
+                         const AttentionShape& shape, int g, float* scores, size_t stride) {
+  const KvCacheShape& s = kv.shape();
+  const int hd = shape.head_dim;
+  const int bs = s.block_size;
+  const int group = shape.n_heads / shape.n_kv_heads;
+  const int h0 = g * group;
+  const int n_blocks = (n_ctx + bs - 1) / bs;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const size_t kv_bytes = static_cast<size_t>(bs) * KvVectorBytes(s.dtype, hd);
+  HeadChunk hc{q, out, scores, stride, hd, bs, group, h0};
+  const float* const* qp = hc.qp;
+  float* const* rows = hc.rows;
+  float* const* outs = hc.outs;
+  auto chunk = [&](int c0, int b) { return hc.Set(c0, b); };
+  const bool bf16 = s.dtype == DType::kBF16;
+  // Pass 1 over groups of kDirectBlocks blocks; each group prefetches the next (K, then pass 2's first V).
+  auto prefetch = [&](int i) {
+    if (i < n_blocks) {
+      PrefetchBytes(kv.K(layer, blocks[i], g), kv_bytes);
+    } else if (i < 2 * n_blocks) {
+      PrefetchBytes(kv.V(layer, blocks[i - n_blocks], g), kv_bytes);
+    }
+  };
+  for (int i = 0; i < std::min(kDirectBlocks, n_blocks); ++i) prefetch(i);
+  const uint8_t* kt[kDirectBlocks];
+  for (int b = 0; b < n_blocks; b += kDirectBlocks) {
+    const int nb = std::min(kDirectBlocks, n_blocks - b);
+    for (int i = 0; i < nb; ++i) {
+      prefetch(b + kDirectBlocks + i);
+      kt[i] = kv.K(layer, blocks[b + i], g);
+    }
+    for (int c0 = 0; c0 < group; c0 += HeadChunk::kChunk) {
+      const int n = chunk(c0, b);
+      if (bf16) {
+        Kernels::template ScoresBlocks<true>(qp, n, kt, nb, hd, scale, rows);
+      } else {
+        Kernels::template ScoresBlocks<false>(qp, n, kt, nb, hd, scale, rows);
+      }
+    }
+  }
+  Softmax<Kernels>(scores, stride, n_ctx, out, shape, g);
+  for (int b = 0; b < n_blocks; ++b) {
+    if (b + kDirectBlocks < n_blocks) PrefetchBytes(kv.V(layer, blocks[b + kDirectBlocks], g), kv_bytes);
+    const int nj = std::min(bs, n_ctx - b * bs);
+    const uint8_t* v = kv.V(layer, blocks[b], g);
+    for (int c0 = 0; c0 < group; c0 += HeadChunk::kChunk) {
+      const int n = chunk(c0, b);
+      if (bf16) {
+        Kernels::template SumBlock<true>(rows, n, v, nj, hd, outs);
+      } else {
+        Kernels::template SumBlock<false>(rows, n, v, nj, hd, outs);
+      }
+    }
+  }
+}
+
 // AttendGroup with the kernels of one level.
 template <class Kernels>
 inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
@@ -456,22 +714,16 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
   float* blk = scratch + static_cast<size_t>(group) * stride;    // one block of K or V as f32
   const bool i8 = s.dtype == DType::kI8;
   float* slot_mul = blk + static_cast<size_t>(hd) * bs;  // int8: one block's scales ([bs])
-  // The group's heads go through the kernels in chunks of up to kChunk, by pointers.
-  constexpr int kChunk = 32;
-  const float* qp[kChunk];
-  float* rows[kChunk];
-  float* outs[kChunk];
-  auto chunk = [&](int c0, int b) {
-    const int n = std::min(kChunk, group - c0);
-    for (int i = 0; i < n; ++i) {
-      qp[i] = q + (h0 + c0 + i) * hd;
-      outs[i] = out + (h0 + c0 + i) * hd;
-      rows[i] = scores + (c0 + i) * stride + static_cast<size_t>(b) * bs;
-    }
-    return n;
-  };
+  HeadChunk hc{q, out, scores, stride, hd, bs, group, h0};
+  const float* const* qp = hc.qp;
+  float* const* rows = hc.rows;
+  float* const* outs = hc.outs;
+  auto chunk = [&](int c0, int b) { return hc.Set(c0, b); };
 
   const size_t kv_bytes = static_cast<size_t>(bs) * KvVectorBytes(s.dtype, hd);
+  // f32/bf16 blocks of 16 slots read in registers, several blocks per tile.
+  if (!i8 && bs == 16 && hd % 16 == 0)
+    return AttendDirect<Kernels>(kv, layer, blocks, n_ctx, q, out, shape, g, scores, stride);
   for (int b = 0; b < std::min(kKvAhead, n_blocks); ++b) PrefetchBytes(kv.K(layer, blocks[b], g), kv_bytes);
   // Pass 1: scores, block by block in position order. Slots past n_ctx in the last block are computed
   // from stale data and then ignored (never read into the softmax).
@@ -482,7 +734,7 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
       PrefetchBytes(kv.V(layer, blocks[b + kKvAhead - n_blocks], g), kv_bytes);
     }
     if (i8) {  // int8 keys are read in registers, with no f32 copy of the block
-      for (int c0 = 0; c0 < group; c0 += kChunk) {
+      for (int c0 = 0; c0 < group; c0 += HeadChunk::kChunk) {
         const int n = chunk(c0, b);
         BlockScoresI8<Kernels>(qp, n, kv.K(layer, blocks[b], g), hd, bs, scale, slot_mul, rows);
       }
@@ -490,7 +742,7 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     }
     Kernels::ToF32(kv.K(layer, blocks[b], g), hd * bs, s.dtype, blk);  // [hd][bs]
     if (bs == 16) {
-      for (int c0 = 0; c0 < group; c0 += kChunk) {
+      for (int c0 = 0; c0 < group; c0 += HeadChunk::kChunk) {
         const int n = chunk(c0, b);
         Kernels::Scores16(qp, n, blk, hd, scale, rows);
       }
@@ -508,27 +760,13 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
       for (int j = 0; j < bs; ++j) sc[j] *= scale;
     }
   }
-  // Softmax per head over [0, n_ctx), with the optional sink in the denominator.
-  for (int hh = 0; hh < group; ++hh) {
-    float* sc = scores + hh * stride;
-    float m = Max(sc, n_ctx);
-    const float sink = shape.sinks ? shape.sinks[h0 + hh] : -INFINITY;
-    m = std::max(m, sink);
-    // Exponentials 8 at a time over whole vectors (the row is padded to whole blocks; lanes past n_ctx
-    // are never read), so a position's weight does not depend on where n_ctx ends.
-    Kernels::ExpShift(sc, n_ctx, m);
-    float sum = Sum(sc, n_ctx);
-    if (shape.sinks) sum += FastExp(sink - m);
-    const float inv = 1.0f / sum;
-    for (int j = 0; j < n_ctx; ++j) sc[j] *= inv;
-    std::memset(out + (h0 + hh) * hd, 0, sizeof(float) * hd);
-  }
+  Softmax<Kernels>(scores, stride, n_ctx, out, shape, g);
   // Pass 2: Σ_j w_j v_j in position order.
   for (int b = 0; b < n_blocks; ++b) {
     if (b + kKvAhead < n_blocks) PrefetchBytes(kv.V(layer, blocks[b + kKvAhead], g), kv_bytes);
     const int nj = std::min(bs, n_ctx - b * bs);
     if (i8) {
-      for (int c0 = 0; c0 < group; c0 += kChunk) {
+      for (int c0 = 0; c0 < group; c0 += HeadChunk::kChunk) {
         const int n = chunk(c0, b);
         WeightedSumI8Block<Kernels>(rows, n, kv.V(layer, blocks[b], g), hd, bs, nj, slot_mul, outs);
       }

@@ -7,7 +7,10 @@
 // Keys are walked in position order, whatever the chunking of the sequence, so results do not depend
 // on how a prompt was split into steps.
 //
-// Cache dtypes: f32 and bf16 blocks are converted to f32 one block at a time. int8 (kv_cache.h: a bf16
+// Cache dtypes: f32 and bf16 blocks of 16 slots (head_dim a multiple of 16) are read in registers, up to 8
+// blocks and 8 heads per tile so that enough independent FMA chains are in flight; other shapes are converted
+// to f32 one block at a time. Either way a score is one FMA chain over the dims in order and an output
+// element one chain over the positions in order, so the bits are the same. int8 (kv_cache.h: a bf16
 // scale per token and kv head, for K and for V) is read in registers: score_j = (q · k_int_j) × s_j /
 // sqrt(d_head), and the weighted sum uses w_j × s_j on v_int_j. Each element's sum is one chain in
 // position order, so the same-bits guarantees hold for int8 as for the others.
