@@ -225,9 +225,10 @@ TEST(Model, DeepseekExpertsKeepTheSameBits) {
 }
 
 // Experts on quantized weights run fused in one OpenMP region (moe_swiglu.cc); QKV_MOE_FUSED=0 runs each
-// expert's GEMMs through Linear::Forward. Both give the same bits: a 24-token prefill (several tokens per
-// expert, tiles of 8, 4, 2 and 1 rows over routed rows), then 4 decoded tokens, on qwen3moe and on deepseek2
-// with shared experts and group-limited sigmoid routing.
+// expert's GEMMs through Linear::Forward. Both give the same bits: a 24-token prefill (72 slots: experts split
+// one by one; several tokens per expert, tiles of 8, 4, 2 and 1 rows over routed rows), then 4 decoded tokens
+// and a 7-token step (3 and 21 slots: the active experts spread over the threads), on qwen3moe and on
+// deepseek2 with shared experts and group-limited sigmoid routing.
 TEST(Model, FusedQuantizedExpertsKeepThePerExpertBits) {
   for (Arch arch : {Arch::kQwen3Moe, Arch::kDeepseek2}) {
     for (const char* preset : {"Q8_0", "Q4_K_M"}) {
@@ -259,6 +260,9 @@ TEST(Model, FusedQuantizedExpertsKeepThePerExpertBits) {
           const std::vector<float> l = Feed(*m, seq, {next}, false);
           out[fused].insert(out[fused].end(), l.begin(), l.end());
         }
+        // A step of 7 tokens: 21 slots, spread over the threads (ExpertsSpread) with several rows per expert.
+        const std::vector<float> l = Feed(*m, seq, Prompt(7, cfg.vocab), true);
+        out[fused].insert(out[fused].end(), l.begin(), l.end());
         ReleaseAll(*m, seq);
       }
       ASSERT_EQ(out[0].size(), out[1].size());

@@ -16,6 +16,14 @@
 // a region costs ~3 µs and a barrier ~1.4 µs on 2 threads. The bits are those of the per-expert GEMMs
 // (the same row-wise kernel, quantization and order of additions); QKV_MOE_FUSED=0 keeps the per-expert
 // path (tests compare the two).
+// With few slots (T × n_used ≤ kSpreadSlots: decode and small batches) the experts are not split one by one
+// but spread: the active experts' gate/up columns, laid end to end, are cut into one contiguous share per
+// thread, then (after one barrier) their down columns the same way, then (after another) each thread adds a
+// slice of the output columns over the experts in increasing index. At decode a thread then streams whole
+// experts (4 of 36 on 2 threads: two each) instead of half of each, and a layer has 3 barriers instead of
+// n_used + 2; a throwaway program running only the experts measured 1.10-1.25 ms against 1.32-1.35 ms a token.
+// Same bits: every output column is computed by the same kernel whatever the cut, and the additions keep
+// their order.
 #include <omp.h>
 
 #include <algorithm>
@@ -62,7 +70,8 @@ class MoeSwiGlu final : public Layer {
     return sizeof(float) * (logits_.size() + weights_.size() + xin_.size() + gu_.size() + act_.size() + y_.size() +
                             acc_.size() + route_.size()) +
            sizeof(int) * (chosen_.size() + rows_of_.size() + route_idx_.size() + tok_.size() + off_.size()) +
-           hq_.bytes() + aq_[0].bytes() + aq_[1].bytes();
+           hq_.bytes() + aq_[0].bytes() + aq_[1].bytes() + saq_.bytes() +
+           sizeof(float) * (sgu_.size() + sact_.size() + sy_.size()) + sizeof(int) * (seq_.size() + active_.size());
   }
 
   const std::vector<uint64_t>* expert_tokens() const override { return &routed_; }
@@ -76,6 +85,8 @@ class MoeSwiGlu final : public Layer {
   void Route(const float* logits, int* chosen, float* weights, float* prob, float* sel, int* idx) const;
   // acc_ (T rows) = Σ over each token's experts of w · expert(h), experts on quantized weights (see above).
   void ExpertsQuantized(int T, const LayerScratch& s);
+  // The same with the active experts' columns spread over the threads (T × n_used ≤ spread_slots_).
+  void ExpertsSpread(int T, const LayerScratch& s);
 
   MoeConfig m_;
   int hidden_ = 0;
@@ -93,6 +104,12 @@ class MoeSwiGlu final : public Layer {
   bool fused_ = false;
   std::vector<int> tok_, off_;
   QuantizedRows hq_, aq_[2];
+  // The spread path (ExpertsSpread): per slot its gate/up outputs, SiLU product (also in int8) and down output.
+  static constexpr int kSpreadSlots = 64;
+  int spread_slots_ = 0;  // slots the buffers hold (0: no spread path)
+  std::vector<float> sgu_, sact_, sy_;
+  std::vector<int> seq_, active_;  // seq_[i] = i (rows of saq_ in place); active_: the step's experts
+  QuantizedRows saq_;
   int idx_stride_ = 0;
   std::vector<uint64_t> routed_;  // tokens routed to each expert
 };
@@ -154,6 +171,15 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
     L->off_.assign(static_cast<size_t>(E) + 1, 0);
     L->hq_.Resize(static_cast<int>(rows), H);
     for (auto& q : L->aq_) q.Resize(static_cast<int>(rows), F);
+    const int S = static_cast<int>(std::min<size_t>(rows * m.n_used, kSpreadSlots));
+    L->spread_slots_ = S;
+    L->sgu_.assign(static_cast<size_t>(S) * 2 * F, 0);
+    L->sact_.assign(static_cast<size_t>(S) * F, 0);
+    L->sy_.assign(static_cast<size_t>(S) * H, 0);
+    L->seq_.resize(S);
+    std::iota(L->seq_.begin(), L->seq_.end(), 0);
+    L->active_.assign(static_cast<size_t>(E), 0);
+    L->saq_.Resize(S, F);
   }
   L->route_.assign(rows * 2 * E, 0);
   L->idx_stride_ = std::max(E, m.n_groups);
@@ -293,6 +319,7 @@ void MoeSwiGlu::ExpertsQuantized(int T, const LayerScratch& s) {
   }
   for (int e = E; e > 0; --e) off_[e] = off_[e - 1];
   off_[0] = 0;
+  if (T * K <= spread_slots_) return ExpertsSpread(T, s);
   const int nb = F / 32;
 #pragma omp parallel num_threads(nthr)
   {
@@ -333,6 +360,68 @@ void MoeSwiGlu::ExpertsQuantized(int T, const LayerScratch& s) {
           float* a = &acc_[static_cast<size_t>(tok_[o + r]) * H];
           const float* y = &y_[static_cast<size_t>(r) * H];
           for (int d = c0; d < c1; ++d) a[d] = std::fma(w, y[d], a[d]);
+        }
+      }
+    }
+  }
+}
+
+void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
+  const int H = hidden_, E = m_.n_experts, F = m_.expert_ffn, nthr = s.n_threads;
+  int A = 0;  // active experts, in increasing index
+  for (int e = 0; e < E; ++e)
+    if (off_[e + 1] > off_[e]) active_[A++] = e;
+  const int nb = F / 32;
+#pragma omp parallel num_threads(nthr)
+  {
+#pragma omp for schedule(static)
+    for (int i = 0; i < nthr; ++i) hq_.Quantize(s.h, T * i / nthr, T * (i + 1) / nthr);
+      // Gate/up: thread i takes the 32-column blocks [A·nb·i/nthr, A·nb·(i+1)/nthr) of the active experts'
+      // columns laid end to end; each slot's rows land at its place (off_) in the slot buffers.
+#pragma omp for schedule(static)
+    for (int i = 0; i < nthr; ++i) {
+      const int64_t g0 = int64_t{A} * nb * i / nthr, g1 = int64_t{A} * nb * (i + 1) / nthr;
+      for (int64_t a = g0 / nb; a < A && a * nb < g1; ++a) {
+        const int e = active_[a], o = off_[e], n = off_[e + 1] - o;
+        const int c0 = static_cast<int>(std::max(g0, a * nb) - a * nb) * 32;
+        const int c1 = static_cast<int>(std::min(g1, (a + 1) * nb) - a * nb) * 32;
+        if (c0 == c1) continue;
+        const QuantWeights& gu = *gate_up_[e]->quantized();
+        const QuantizedRowSet x{&hq_, &tok_[o], n};
+        float* g = &sgu_[static_cast<size_t>(o) * 2 * F];
+        gu.Compute(x, c0, c1, g, 2 * static_cast<size_t>(F));
+        gu.Compute(x, F + c0, F + c1, g, 2 * static_cast<size_t>(F));
+        for (int r = 0; r < n; ++r) {
+          const float* gr = g + static_cast<size_t>(r) * 2 * F;
+          SiluMul(gr + c0, gr + F + c0, &sact_[static_cast<size_t>(o + r) * F + c0], c1 - c0);
+        }
+        saq_.QuantizeBlocks(sact_.data(), F, o, o + n, c0 / 32, c1 / 32);
+      }
+    }
+    // Down: the active experts' H output columns end to end, cut on unit starts.
+#pragma omp for schedule(static)
+    for (int i = 0; i < nthr; ++i) {
+      const int64_t g0 = int64_t{A} * H * i / nthr, g1 = int64_t{A} * H * (i + 1) / nthr;
+      for (int64_t a = g0 / H; a < A && a * H < g1; ++a) {
+        const int e = active_[a], o = off_[e], n = off_[e + 1] - o;
+        const QuantWeights& dn = *down_[e]->quantized();
+        const int c0 = dn.UnitStart(static_cast<int>(std::max(g0, a * H) - a * H));
+        const int c1 = dn.UnitStart(static_cast<int>(std::min(g1, (a + 1) * H) - a * H));
+        if (c0 == c1) continue;
+        dn.Compute(QuantizedRowSet{&saq_, &seq_[o], n}, c0, c1, &sy_[static_cast<size_t>(o) * H], H);
+      }
+    }
+    // Output columns [d0, d1): Σ over the experts in increasing index, as the per-expert path adds them.
+#pragma omp for schedule(static)
+    for (int i = 0; i < nthr; ++i) {
+      const int d0 = H * i / nthr / 16 * 16, d1 = i + 1 == nthr ? H : H * (i + 1) / nthr / 16 * 16;
+      for (int a = 0; a < A; ++a) {
+        const int e = active_[a];
+        for (int slot = off_[e]; slot < off_[e + 1]; ++slot) {
+          const float w = weights_[rows_of_[slot]];
+          float* acc = &acc_[static_cast<size_t>(tok_[slot]) * H];
+          const float* y = &sy_[static_cast<size_t>(slot) * H];
+          for (int d = d0; d < d1; ++d) acc[d] = std::fma(w, y[d], acc[d]);
         }
       }
     }
