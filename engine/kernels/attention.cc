@@ -709,11 +709,14 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
   const int n_blocks = (n_ctx + bs - 1) / bs;
   // Per-head score row, padded to whole blocks and to whole 8-lane vectors.
   const size_t stride = (static_cast<size_t>(n_blocks) * bs + 7) / 8 * 8;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));  // scores = q·k / sqrt(d_head)
-  float* scores = scratch;                                       // [group][stride]
-  float* blk = scratch + static_cast<size_t>(group) * stride;    // one block of K or V as f32
+  float* scores = scratch;  // [group][stride]
   const bool i8 = s.dtype == DType::kI8;
-  float* slot_mul = blk + static_cast<size_t>(hd) * bs;  // int8: one block's scales ([bs])
+  // f32/bf16 blocks of 16 slots read in registers, several blocks per tile.
+  if (!i8 && bs == 16 && hd % 16 == 0)
+    return AttendDirect<Kernels>(kv, layer, blocks, n_ctx, q, out, shape, g, scores, stride);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));  // scores = q·k / sqrt(d_head)
+  float* blk = scratch + static_cast<size_t>(group) * stride;    // one block of K or V as f32
+  float* slot_mul = blk + static_cast<size_t>(hd) * bs;          // int8: one block's scales ([bs])
   HeadChunk hc{q, out, scores, stride, hd, bs, group, h0};
   const float* const* qp = hc.qp;
   float* const* rows = hc.rows;
@@ -721,9 +724,6 @@ inline void AttendBody(const KvCache& kv, int layer, const int* blocks, int n_ct
   auto chunk = [&](int c0, int b) { return hc.Set(c0, b); };
 
   const size_t kv_bytes = static_cast<size_t>(bs) * KvVectorBytes(s.dtype, hd);
-  // f32/bf16 blocks of 16 slots read in registers, several blocks per tile.
-  if (!i8 && bs == 16 && hd % 16 == 0)
-    return AttendDirect<Kernels>(kv, layer, blocks, n_ctx, q, out, shape, g, scores, stride);
   for (int b = 0; b < std::min(kKvAhead, n_blocks); ++b) PrefetchBytes(kv.K(layer, blocks[b], g), kv_bytes);
   // Pass 1: scores, block by block in position order. Slots past n_ctx in the last block are computed
   // from stale data and then ignored (never read into the softmax).

@@ -87,6 +87,10 @@ class MoeSwiGlu final : public Layer {
   void ExpertsQuantized(int T, const LayerScratch& s);
   // The same with the active experts' columns spread over the threads (T × n_used ≤ spread_slots_).
   void ExpertsSpread(int T, const LayerScratch& s);
+  // One expert's gate and up columns [c0, c1) (and F + c0 ...) for the n rows of x into g (rows of 2F), their
+  // SiLU product into act rows r0 .. r0 + n (rows of F) and its int8 32-blocks into aq's same rows.
+  void GateUpSlice(const QuantWeights& gu, const QuantizedRowSet& x, int c0, int c1, float* g, float* act,
+                   QuantizedRows& aq, int r0) const;
 
   MoeConfig m_;
   int hidden_ = 0;
@@ -303,6 +307,18 @@ void MoeSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
   s.timer->Mark(pf.ffn_down);
 }
 
+void MoeSwiGlu::GateUpSlice(const QuantWeights& gu, const QuantizedRowSet& x, int c0, int c1, float* g, float* act,
+                            QuantizedRows& aq, int r0) const {
+  const int F = m_.expert_ffn;
+  gu.Compute(x, c0, c1, g, 2 * static_cast<size_t>(F));
+  gu.Compute(x, F + c0, F + c1, g, 2 * static_cast<size_t>(F));
+  for (int r = 0; r < x.m; ++r) {
+    const float* gr = g + static_cast<size_t>(r) * 2 * F;
+    SiluMul(gr + c0, gr + F + c0, act + static_cast<size_t>(r0 + r) * F + c0, c1 - c0);
+  }
+  aq.QuantizeBlocks(act, F, r0, r0 + x.m, c0 / 32, c1 / 32);
+}
+
 void MoeSwiGlu::ExpertsQuantized(int T, const LayerScratch& s) {
   const int H = hidden_, E = m_.n_experts, K = m_.n_used, F = m_.expert_ffn, nthr = s.n_threads;
   // Slots by expert (a counting sort), tokens in increasing order within an expert.
@@ -338,14 +354,7 @@ void MoeSwiGlu::ExpertsQuantized(int T, const LayerScratch& s) {
       for (int i = 0; i < nthr; ++i) {
         const int c0 = nb * i / nthr * 32, c1 = nb * (i + 1) / nthr * 32;
         if (c0 == c1) continue;
-        const QuantizedRowSet x{&hq_, &tok_[o], n};
-        gu.Compute(x, c0, c1, gu_.data(), 2 * static_cast<size_t>(F));
-        gu.Compute(x, F + c0, F + c1, gu_.data(), 2 * static_cast<size_t>(F));
-        for (int r = 0; r < n; ++r) {
-          const float* g = &gu_[static_cast<size_t>(r) * 2 * F];
-          SiluMul(g + c0, g + F + c0, &act_[static_cast<size_t>(r) * F + c0], c1 - c0);
-        }
-        aq.QuantizeBlocks(act_.data(), F, 0, n, c0 / 32, c1 / 32);
+        GateUpSlice(gu, QuantizedRowSet{&hq_, &tok_[o], n}, c0, c1, gu_.data(), act_.data(), aq, 0);
       }
       // Down columns [c0, c1) and their share of the output. No barrier: the next expert writes the other
       // aq_, and the one after waits at the next expert's barrier for this loop to end everywhere.
@@ -386,16 +395,8 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
         const int c0 = static_cast<int>(std::max(g0, a * nb) - a * nb) * 32;
         const int c1 = static_cast<int>(std::min(g1, (a + 1) * nb) - a * nb) * 32;
         if (c0 == c1) continue;
-        const QuantWeights& gu = *gate_up_[e]->quantized();
-        const QuantizedRowSet x{&hq_, &tok_[o], n};
-        float* g = &sgu_[static_cast<size_t>(o) * 2 * F];
-        gu.Compute(x, c0, c1, g, 2 * static_cast<size_t>(F));
-        gu.Compute(x, F + c0, F + c1, g, 2 * static_cast<size_t>(F));
-        for (int r = 0; r < n; ++r) {
-          const float* gr = g + static_cast<size_t>(r) * 2 * F;
-          SiluMul(gr + c0, gr + F + c0, &sact_[static_cast<size_t>(o + r) * F + c0], c1 - c0);
-        }
-        saq_.QuantizeBlocks(sact_.data(), F, o, o + n, c0 / 32, c1 / 32);
+        GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{&hq_, &tok_[o], n}, c0, c1,
+                    &sgu_[static_cast<size_t>(o) * 2 * F], sact_.data(), saq_, o);
       }
     }
     // Down: the active experts' H output columns end to end, cut on unit starts.
