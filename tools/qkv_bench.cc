@@ -188,6 +188,16 @@ int main(int argc, char** argv) {
               1e3 * best_decode / gen);
   std::printf("roofline: read bandwidth %.1f GB/s on %d threads -> %.1f tok/s; decode at %.0f%% of it\n", bw, threads,
               roofline, 100.0 * decode_tps / roofline);
+  // A decoded token also reads its sequence's cache: K/V of every earlier position (on average the
+  // context in the middle of the decode) and the fixed state. The line above counts weights only.
+  const double mean_ctx = prompt + (gen - 1) / 2.0;
+  const double cache_read =
+      mean_ctx * static_cast<double>(cl.tokens.bytes_per_token()) + static_cast<double>(cl.state_bytes_per_seq);
+  const double roofline_all = bw * 1e9 / (static_cast<double>(m.weight_bytes_per_token()) + cache_read);
+  std::printf(
+      "roofline with the cache: weights %.1f MB + cache %.1f MB a token (mean context %.0f) -> %.1f tok/s; "
+      "decode at %.0f%% of it\n",
+      m.weight_bytes_per_token() / 1e6, cache_read / 1e6, mean_ctx, roofline_all, 100.0 * decode_tps / roofline_all);
   if (profile) {
     PrintProfile("prefill", prefill_prof);
     PrintProfile("decode", decode_prof);
