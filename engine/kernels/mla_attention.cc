@@ -13,13 +13,6 @@
 namespace qkv {
 namespace {
 
-// Horizontal sum of 8 lanes in a fixed order.
-inline float HSum8(__m256 v) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, v);
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
 inline __m256 I8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -46,24 +39,6 @@ inline float At(const void* row, int i) {
     return static_cast<float>(static_cast<const int8_t*>(row)[i]);
   } else {
     return static_cast<const float*>(row)[i];
-  }
-}
-
-// dots[h] = q_h · row over n values for NH heads: per head one 8-lane FMA chain over the row (loaded once
-// for all heads), reduced in a fixed order, then the tail in order. A head's value is the same whatever NH.
-template <int NH, bool I8>
-inline void Dots(const float* const* q, const void* row, int n, float* dots) {
-  __m256 acc[NH];
-  for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 k = Load8<I8>(row, i);
-    for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), k, acc[h]);
-  }
-  for (int h = 0; h < NH; ++h) {
-    float r = HSum8(acc[h]);
-    for (int t = i; t < n; ++t) r += q[h][t] * At<I8>(row, t);
-    dots[h] = r;
   }
 }
 
@@ -102,28 +77,121 @@ inline void WeightedRows(const float* const* w, const void* rows, size_t stride,
   }
 }
 
-// Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against one cached token: its latent row
-// (R values) and rope row (P values), in groups of up to 4 heads that share each load. int8 rows carry
-// their scales cs, rs. Written to scores[h × stride + col].
-template <bool I8>
-void ScoreToken(const float* q, int W, int R, int P, int nh, const void* crow, const void* rrow, float cs, float rs,
-                float scale, float* scores, size_t stride, size_t col) {
+// Horizontal sums of n ≤ 8 vectors at once in a fixed order: out[i] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+// (l6 + l7)) of v[i] (a horizontal add pairs neighbouring lanes): the additions the scalar sum of the lanes
+// made before, so the same bits.
+inline void HSum8Many(const __m256* v, int n, float* out) {
+  __m256 w[8];
+  for (int i = 0; i < 8; ++i) w[i] = i < n ? v[i] : _mm256_setzero_ps();
+  // [v0 l0+l1, v0 l2+l3, v1 l0+l1, v1 l2+l3 | the same for lanes 4-7], then the sums of 4 lanes.
+  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(w[0], w[1]), _mm256_hadd_ps(w[2], w[3]));
+  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(w[4], w[5]), _mm256_hadd_ps(w[6], w[7]));
+  const __m256 lo = _mm256_permute2f128_ps(g0, g1, 0x20), hi = _mm256_permute2f128_ps(g0, g1, 0x31);
+  alignas(32) float s[8];
+  _mm256_store_ps(s, _mm256_add_ps(lo, hi));
+  std::memcpy(out, s, sizeof(float) * n);
+}
+
+// dots[t][h] = q_h · row_t over n values for NT cached rows and NH heads (NT × NH ≤ 8): per pair one 8-lane
+// FMA chain over the values, each row and query chunk loaded once for the tile, NT × NH chains in flight;
+// reduced in a fixed order (HSum8Many, then the tail in order), so a pair's value is the same whatever tile
+// it is computed in.
+template <int NT, int NH, bool I8>
+inline void DotsTile(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
+  static_assert(NT * NH <= 8);
+  __m256 acc[NT * NH];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 k[NT];
+    for (int t = 0; t < NT; ++t) k[t] = Load8<I8>(rows[t], i);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q[h] + i);
+      for (int t = 0; t < NT; ++t) acc[t * NH + h] = _mm256_fmadd_ps(qv, k[t], acc[t * NH + h]);
+    }
+  }
+  float s[8];
+  HSum8Many(acc, NT * NH, s);
+  for (int t = 0; t < NT; ++t) {
+    for (int h = 0; h < NH; ++h) {
+      float r = s[t * NH + h];
+      for (int u = i; u < n; ++u) r += q[h][u] * At<I8>(rows[t], u);
+      dots[t][h] = r;
+    }
+  }
+}
+
+// The latent and rope dots of NT tokens against NH heads.
+template <int NT, int NH, bool I8>
+inline void TokenDots(const float* const* qc, const float* const* qr, const void* const* crow, const void* const* rrow,
+                      int R, int P, float (*dc)[4], float (*dr)[4]) {
+  DotsTile<NT, NH, I8>(qc, crow, R, dc);
+  DotsTile<NT, NH, I8>(qr, rrow, P, dr);
+}
+
+// Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against NT = 1 or 2 cached tokens: their
+// latent rows (R values) and rope rows (P values), in groups of up to 4 heads that share each load. int8
+// rows carry their scales cs, rs. Token t's scores go to scores[h × stride + col + t]. A score is the same
+// whichever tokens and heads share its tile.
+template <int NT, bool I8>
+void ScoreTokens(const float* q, int W, int R, int P, int nh, const void* const* crow, const void* const* rrow,
+                 const float* cs, const float* rs, float scale, float* scores, size_t stride, size_t col) {
   for (int h = 0; h < nh; h += 4) {
     const int n = std::min(4, nh - h);
     const float* qc[4];
     const float* qr[4];
     for (int i = 0; i < n; ++i) qc[i] = q + static_cast<size_t>(h + i) * W, qr[i] = qc[i] + R;
-    float dc[4], dr[4];
+    float dc[NT][4], dr[NT][4];
     switch (n) {
-      case 4: Dots<4, I8>(qc, crow, R, dc), Dots<4, I8>(qr, rrow, P, dr); break;
-      case 3: Dots<3, I8>(qc, crow, R, dc), Dots<3, I8>(qr, rrow, P, dr); break;
-      case 2: Dots<2, I8>(qc, crow, R, dc), Dots<2, I8>(qr, rrow, P, dr); break;
-      default: Dots<1, I8>(qc, crow, R, dc), Dots<1, I8>(qr, rrow, P, dr); break;
+      case 4: TokenDots<NT, 4, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 3: TokenDots<NT, 3, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 2: TokenDots<NT, 2, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      default: TokenDots<NT, 1, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
     }
-    for (int i = 0; i < n; ++i) {
-      const float v = I8 ? dc[i] * cs + dr[i] * rs : dc[i] + dr[i];
-      scores[static_cast<size_t>(h + i) * stride + col] = v * scale;
+    for (int t = 0; t < NT; ++t) {
+      for (int i = 0; i < n; ++i) {
+        const float v = I8 ? dc[t][i] * cs[t] + dr[t][i] * rs[t] : dc[t][i] + dr[t][i];
+        scores[static_cast<size_t>(h + i) * stride + col + t] = v * scale;
+      }
     }
+  }
+}
+
+// Scores of heads [0, nh) against the nj tokens of one block (row j of the latents at c + j × cstride
+// elements, of the rope keys at r + j × rstride; int8: scales from the regions), two tokens at a time.
+template <bool I8>
+void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj, int bs, float scale,
+                float* scores, size_t stride, size_t col) {
+  const auto row = [](const void* base, int j, int width) {
+    if constexpr (I8) {
+      return static_cast<const void*>(static_cast<const int8_t*>(base) + static_cast<size_t>(j) * width);
+    } else {
+      return static_cast<const void*>(static_cast<const float*>(base) + static_cast<size_t>(j) * width);
+    }
+  };
+  const auto scales = [&](int j, float* cs, float* rs) {
+    if constexpr (I8) {
+      *cs = ScaleAt(static_cast<const uint8_t*>(c), bs, R, j);
+      *rs = ScaleAt(static_cast<const uint8_t*>(r), bs, P, j);
+    } else {
+      *cs = *rs = 1.0f;
+    }
+  };
+  int j = 0;
+  for (; j + 2 <= nj; j += 2) {
+    const void* cr[2] = {row(c, j, R), row(c, j + 1, R)};
+    const void* rr[2] = {row(r, j, P), row(r, j + 1, P)};
+    float cs[2], rs[2];
+    scales(j, &cs[0], &rs[0]);
+    scales(j + 1, &cs[1], &rs[1]);
+    ScoreTokens<2, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+  }
+  if (j < nj) {
+    const void* cr[1] = {row(c, j, R)};
+    const void* rr[1] = {row(r, j, P)};
+    float cs[1], rs[1];
+    scales(j, &cs[0], &rs[0]);
+    ScoreTokens<1, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
   }
 }
 
@@ -189,20 +257,12 @@ void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, co
     const uint8_t* r = kv.V(layer, blocks[b], 0);
     const size_t col = static_cast<size_t>(b) * bs;
     if (i8) {
-      const auto* ci = reinterpret_cast<const int8_t*>(c);
-      const auto* ri = reinterpret_cast<const int8_t*>(r);
-      for (int j = 0; j < nj; ++j) {
-        ScoreToken<true>(qh0, W, R, P, nh, ci + static_cast<size_t>(j) * R, ri + static_cast<size_t>(j) * P,
-                         ScaleAt(c, bs, R, j), ScaleAt(r, bs, P, j), scale, scores, stride, col + j);
-      }
+      ScoreBlock<true>(qh0, W, R, P, nh, c, r, nj, bs, scale, scores, stride, col);
       continue;
     }
     KvToF32(c, nj * R, s.dtype, blk_c);
     KvToF32(r, nj * P, s.dtype, blk_r);
-    for (int j = 0; j < nj; ++j) {
-      ScoreToken<false>(qh0, W, R, P, nh, blk_c + static_cast<size_t>(j) * R, blk_r + static_cast<size_t>(j) * P, 1.0f,
-                        1.0f, scale, scores, stride, col + j);
-    }
+    ScoreBlock<false>(qh0, W, R, P, nh, blk_c, blk_r, nj, bs, scale, scores, stride, col);
   }
   // Softmax per head over [0, n_ctx); lanes past n_ctx up to the vector end are set to -inf (weight 0).
   for (int hh = 0; hh < nh; ++hh) {
