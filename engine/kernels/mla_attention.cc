@@ -8,6 +8,7 @@
 
 #include "engine/bf16.h"
 #include "engine/kernels/attention.h"
+#include "engine/kernels/cpu.h"
 #include "engine/kernels/ops.h"
 
 namespace qkv {
@@ -121,21 +122,120 @@ inline void DotsTile(const float* const* q, const void* const* rows, int n, floa
   }
 }
 
+// The kernels of the AVX2 level (8-lane chains).
+struct Avx2Latent {
+  template <int NT, int NH, bool I8>
+  static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
+    DotsTile<NT, NH, I8>(q, rows, n, dots);
+  }
+  template <int NH, bool I8>
+  static void Weighted(const float* const* w, const void* rows, size_t stride, int nj, int n, float* const* o) {
+    WeightedRows<NH, I8>(w, rows, stride, nj, n, o);
+  }
+};
+
+#define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+// The kernels of the AVX-512 levels: dots as 16-lane chains (lanes k and k + 8 added, then the 8-lane
+// order), so the scores have other bits than at the AVX2 level but the same at every M, chunk and tile;
+// weighted sums in 16-lane vectors, 64 dims × 4 heads per tile, each element the same FMA chain as at the
+// AVX2 level (the same bits).
+struct Avx512Latent {
+  template <bool I8>
+  QKV_AVX512 static __m512 Load16(const void* row, int i) {
+    if constexpr (I8) {
+      const auto* p = static_cast<const int8_t*>(row) + i;
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    } else {
+      return _mm512_loadu_ps(static_cast<const float*>(row) + i);
+    }
+  }
+  template <int NT, int NH, bool I8>
+  QKV_AVX512 static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
+    static_assert(NT * NH <= 8);
+    __m512 acc[NT * NH];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 k[NT];
+      for (int t = 0; t < NT; ++t) k[t] = Load16<I8>(rows[t], i);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 qv = _mm512_loadu_ps(q[h] + i);
+        for (int t = 0; t < NT; ++t) acc[t * NH + h] = _mm512_fmadd_ps(qv, k[t], acc[t * NH + h]);
+      }
+    }
+    __m256 half[NT * NH];
+    for (int a = 0; a < NT * NH; ++a) {
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[a]), 1));
+      half[a] = _mm256_add_ps(_mm512_castps512_ps256(acc[a]), hi);
+    }
+    float s[8];
+    HSum8Many(half, NT * NH, s);
+    for (int t = 0; t < NT; ++t) {
+      for (int h = 0; h < NH; ++h) {
+        float r = s[t * NH + h];
+        for (int u = i; u < n; ++u) r += q[h][u] * At<I8>(rows[t], u);
+        dots[t][h] = r;
+      }
+    }
+  }
+  // Dims [d0, d0 + 16 V) of NH heads over nj rows.
+  template <int NH, int V, bool I8, class Row>
+  QKV_AVX512 static void Chunk(const float* const* w, const Row& row, int nj, int d0, float* const* o) {
+    __m512 acc[NH][V];
+    for (int h = 0; h < NH; ++h)
+      for (int v = 0; v < V; ++v) acc[h][v] = _mm512_loadu_ps(o[h] + d0 + 16 * v);
+    for (int j = 0; j < nj; ++j) {
+      const void* r = row(j);
+      __m512 x[V];
+      for (int v = 0; v < V; ++v) x[v] = Load16<I8>(r, d0 + 16 * v);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 wb = _mm512_set1_ps(w[h][j]);
+        for (int v = 0; v < V; ++v) acc[h][v] = _mm512_fmadd_ps(wb, x[v], acc[h][v]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(o[h] + d0 + 16 * v, acc[h][v]);
+  }
+  // o_h[0, n) += Σ_j w_h[j] · row_j as WeightedRows: per element one FMA chain in position order.
+  template <int NH, bool I8>
+  QKV_AVX512 static void Weighted(const float* const* w, const void* rows, size_t stride, int nj, int n,
+                                  float* const* o) {
+    const auto row = [&](int j) {
+      if constexpr (I8) {
+        return static_cast<const void*>(static_cast<const int8_t*>(rows) + static_cast<size_t>(j) * stride);
+      } else {
+        return static_cast<const void*>(static_cast<const float*>(rows) + static_cast<size_t>(j) * stride);
+      }
+    };
+    int d0 = 0;
+    for (; d0 + 64 <= n; d0 += 64) Chunk<NH, 4, I8>(w, row, nj, d0, o);
+    for (; d0 + 16 <= n; d0 += 16) Chunk<NH, 1, I8>(w, row, nj, d0, o);
+    for (; d0 < n; ++d0) {
+      for (int h = 0; h < NH; ++h) {
+        float a = o[h][d0];
+        for (int j = 0; j < nj; ++j) a = std::fma(w[h][j], At<I8>(row(j), d0), a);
+        o[h][d0] = a;
+      }
+    }
+  }
+};
+
 // The latent and rope dots of NT tokens against NH heads.
-template <int NT, int NH, bool I8>
+template <class K, int NT, int NH, bool I8>
 inline void TokenDots(const float* const* qc, const float* const* qr, const void* const* crow, const void* const* rrow,
                       int R, int P, float (*dc)[4], float (*dr)[4]) {
-  DotsTile<NT, NH, I8>(qc, crow, R, dc);
-  DotsTile<NT, NH, I8>(qr, rrow, P, dr);
+  K::template Dots<NT, NH, I8>(qc, crow, R, dc);
+  K::template Dots<NT, NH, I8>(qr, rrow, P, dr);
 }
 
 // Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against NT = 1 or 2 cached tokens: their
 // latent rows (R values) and rope rows (P values), in groups of up to 4 heads that share each load. int8
 // rows carry their scales cs, rs. Token t's scores go to scores[h × stride + col + t]. A score is the same
 // whichever tokens and heads share its tile.
-template <int NT, bool I8>
-void ScoreTokens(const float* q, int W, int R, int P, int nh, const void* const* crow, const void* const* rrow,
-                 const float* cs, const float* rs, float scale, float* scores, size_t stride, size_t col) {
+template <class K, int NT, bool I8>
+inline void ScoreTokens(const float* q, int W, int R, int P, int nh, const void* const* crow, const void* const* rrow,
+                        const float* cs, const float* rs, float scale, float* scores, size_t stride, size_t col) {
   for (int h = 0; h < nh; h += 4) {
     const int n = std::min(4, nh - h);
     const float* qc[4];
@@ -143,10 +243,10 @@ void ScoreTokens(const float* q, int W, int R, int P, int nh, const void* const*
     for (int i = 0; i < n; ++i) qc[i] = q + static_cast<size_t>(h + i) * W, qr[i] = qc[i] + R;
     float dc[NT][4], dr[NT][4];
     switch (n) {
-      case 4: TokenDots<NT, 4, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
-      case 3: TokenDots<NT, 3, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
-      case 2: TokenDots<NT, 2, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
-      default: TokenDots<NT, 1, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 4: TokenDots<K, NT, 4, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 3: TokenDots<K, NT, 3, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 2: TokenDots<K, NT, 2, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      default: TokenDots<K, NT, 1, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
     }
     for (int t = 0; t < NT; ++t) {
       for (int i = 0; i < n; ++i) {
@@ -159,9 +259,9 @@ void ScoreTokens(const float* q, int W, int R, int P, int nh, const void* const*
 
 // Scores of heads [0, nh) against the nj tokens of one block (row j of the latents at c + j × cstride
 // elements, of the rope keys at r + j × rstride; int8: scales from the regions), two tokens at a time.
-template <bool I8>
-void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj, int bs, float scale,
-                float* scores, size_t stride, size_t col) {
+template <class K, bool I8>
+inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj, int bs,
+                       float scale, float* scores, size_t stride, size_t col) {
   const auto row = [](const void* base, int j, int width) {
     if constexpr (I8) {
       return static_cast<const void*>(static_cast<const int8_t*>(base) + static_cast<size_t>(j) * width);
@@ -184,21 +284,21 @@ void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, cons
     float cs[2], rs[2];
     scales(j, &cs[0], &rs[0]);
     scales(j + 1, &cs[1], &rs[1]);
-    ScoreTokens<2, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+    ScoreTokens<K, 2, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
   }
   if (j < nj) {
     const void* cr[1] = {row(c, j, R)};
     const void* rr[1] = {row(r, j, P)};
     float cs[1], rs[1];
     scales(j, &cs[0], &rs[0]);
-    ScoreTokens<1, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+    ScoreTokens<K, 1, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
   }
 }
 
 // out_h += Σ_j w_h[j] · c_j over one block's nj latent rows for heads [0, nh) (weights at w + h × stride,
 // outputs at out + h × R), in groups of up to 4 heads.
-template <bool I8>
-void WeightBlock(const float* w, size_t stride, int nh, const void* rows, int nj, int R, float* out) {
+template <class K, bool I8>
+inline void WeightBlock(const float* w, size_t stride, int nh, const void* rows, int nj, int R, float* out) {
   for (int h = 0; h < nh; h += 4) {
     const int n = std::min(4, nh - h);
     const float* wp[4];
@@ -206,10 +306,10 @@ void WeightBlock(const float* w, size_t stride, int nh, const void* rows, int nj
     for (int i = 0; i < n; ++i)
       wp[i] = w + static_cast<size_t>(h + i) * stride, op[i] = out + static_cast<size_t>(h + i) * R;
     switch (n) {
-      case 4: WeightedRows<4, I8>(wp, rows, R, nj, R, op); break;
-      case 3: WeightedRows<3, I8>(wp, rows, R, nj, R, op); break;
-      case 2: WeightedRows<2, I8>(wp, rows, R, nj, R, op); break;
-      default: WeightedRows<1, I8>(wp, rows, R, nj, R, op); break;
+      case 4: K::template Weighted<4, I8>(wp, rows, R, nj, R, op); break;
+      case 3: K::template Weighted<3, I8>(wp, rows, R, nj, R, op); break;
+      case 2: K::template Weighted<2, I8>(wp, rows, R, nj, R, op); break;
+      default: K::template Weighted<1, I8>(wp, rows, R, nj, R, op); break;
     }
   }
 }
@@ -238,8 +338,12 @@ size_t LatentAttentionScratchFloats(int n_heads, int n_ctx, int latent_dim, int 
   return static_cast<size_t>(n_heads) * row + static_cast<size_t>(block_size) * (latent_dim + rope_dim) + 16;
 }
 
-void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out, int h0,
-                  int nh, float scale, float* scratch) {
+namespace {
+
+// AttendLatent with the kernels of one level.
+template <class K>
+inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out, int h0,
+                       int nh, float scale, float* scratch) {
   const KvCacheShape& s = kv.shape();
   const int R = s.head_dim, P = s.value_dim(), bs = s.block_size, W = R + P;
   const int n_blocks = (n_ctx + bs - 1) / bs;
@@ -257,12 +361,12 @@ void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, co
     const uint8_t* r = kv.V(layer, blocks[b], 0);
     const size_t col = static_cast<size_t>(b) * bs;
     if (i8) {
-      ScoreBlock<true>(qh0, W, R, P, nh, c, r, nj, bs, scale, scores, stride, col);
+      ScoreBlock<K, true>(qh0, W, R, P, nh, c, r, nj, bs, scale, scores, stride, col);
       continue;
     }
     KvToF32(c, nj * R, s.dtype, blk_c);
     KvToF32(r, nj * P, s.dtype, blk_r);
-    ScoreBlock<false>(qh0, W, R, P, nh, blk_c, blk_r, nj, bs, scale, scores, stride, col);
+    ScoreBlock<K, false>(qh0, W, R, P, nh, blk_c, blk_r, nj, bs, scale, scores, stride, col);
   }
   // Softmax per head over [0, n_ctx); lanes past n_ctx up to the vector end are set to -inf (weight 0).
   for (int hh = 0; hh < nh; ++hh) {
@@ -286,12 +390,28 @@ void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, co
     if (i8) {
       for (int hh = 0; hh < nh; ++hh)
         for (int j = 0; j < nj; ++j) w[hh * stride + j] *= ScaleAt(c, bs, R, j);
-      WeightBlock<true>(w, stride, nh, c, nj, R, oh0);
+      WeightBlock<K, true>(w, stride, nh, c, nj, R, oh0);
       continue;
     }
     KvToF32(c, nj * R, s.dtype, blk_c);
-    WeightBlock<false>(w, stride, nh, blk_c, nj, R, oh0);
+    WeightBlock<K, false>(w, stride, nh, blk_c, nj, R, oh0);
   }
+}
+
+// flatten: every kernel is inlined here, compiled for AVX-512.
+QKV_AVX512 __attribute__((flatten)) void AttendLatent512(const KvCache& kv, int layer, const int* blocks, int n_ctx,
+                                                         const float* q, float* out, int h0, int nh, float scale,
+                                                         float* scratch) {
+  LatentBody<Avx512Latent>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
+}
+
+}  // namespace
+
+void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out, int h0,
+                  int nh, float scale, float* scratch) {
+  if (ActiveKernelIsa() >= KernelIsa::kAvx512)
+    return AttendLatent512(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
+  LatentBody<Avx2Latent>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
 }
 
 }  // namespace qkv
