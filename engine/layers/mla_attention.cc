@@ -200,9 +200,11 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   }
   s.timer->Mark(pf.qkv);
 
-  // Attention in latent space; the heads are cut into one chunk per thread so that a decode step uses
-  // every thread (a head's result does not depend on its chunk).
-  const int chunks = std::min(nh, std::max(nthr, 1));
+  // Attention in latent space. A decode step cuts the heads into one chunk per thread so that it uses every
+  // thread; with at least a row per thread each row takes all its heads at once (every cached block is
+  // converted once per row, not once per chunk: MLA prefill 1024 went 318-340 → 374 tok/s on a Zen 5). A
+  // head's result does not depend on its chunk.
+  const int chunks = T >= nthr ? 1 : std::min(nh, std::max(nthr, 1));
   const int items = T * chunks;
 #pragma omp parallel for num_threads(nthr) schedule(dynamic, 1) if (items > 1)
   for (int it = 0; it < items; ++it) {
