@@ -43,17 +43,34 @@ inline float At(const void* row, int i) {
   }
 }
 
+// Row j of a block's cached rows (stride elements apart).
+template <bool I8>
+inline const void* RowAt(const void* rows, size_t stride, int j) {
+  if constexpr (I8) {
+    return static_cast<const int8_t*>(rows) + static_cast<size_t>(j) * stride;
+  } else {
+    return static_cast<const float*>(rows) + static_cast<size_t>(j) * stride;
+  }
+}
+
+// Dims [d0, n) of the weighted sum, one element at a time (the same FMA chain as the vector tiles).
+template <int NH, bool I8>
+inline void WeightedTail(const float* const* w, const void* rows, size_t stride, int nj, int d0, int n,
+                         float* const* o) {
+  for (; d0 < n; ++d0) {
+    for (int h = 0; h < NH; ++h) {
+      float a = o[h][d0];
+      for (int j = 0; j < nj; ++j) a = std::fma(w[h][j], At<I8>(RowAt<I8>(rows, stride, j), d0), a);
+      o[h][d0] = a;
+    }
+  }
+}
+
 // o_h[0, n) += Σ_j w_h[j] · row_j for NH heads over nj rows (row j at rows + j × stride elements): every
 // element one FMA chain in position order; each row chunk is loaded once for all heads.
 template <int NH, bool I8>
 inline void WeightedRows(const float* const* w, const void* rows, size_t stride, int nj, int n, float* const* o) {
-  const auto row = [&](int j) {
-    if constexpr (I8) {
-      return static_cast<const void*>(static_cast<const int8_t*>(rows) + static_cast<size_t>(j) * stride);
-    } else {
-      return static_cast<const void*>(static_cast<const float*>(rows) + static_cast<size_t>(j) * stride);
-    }
-  };
+  const auto row = [&](int j) { return RowAt<I8>(rows, stride, j); };
   int d0 = 0;
   for (; d0 + 16 <= n; d0 += 16) {
     __m256 acc[NH][2];
@@ -69,13 +86,7 @@ inline void WeightedRows(const float* const* w, const void* rows, size_t stride,
     }
     for (int h = 0; h < NH; ++h) _mm256_storeu_ps(o[h] + d0, acc[h][0]), _mm256_storeu_ps(o[h] + d0 + 8, acc[h][1]);
   }
-  for (; d0 < n; ++d0) {
-    for (int h = 0; h < NH; ++h) {
-      float a = o[h][d0];
-      for (int j = 0; j < nj; ++j) a = std::fma(w[h][j], At<I8>(row(j), d0), a);
-      o[h][d0] = a;
-    }
-  }
+  WeightedTail<NH, I8>(w, rows, stride, nj, d0, n, o);
 }
 
 // Horizontal sums of n ≤ 8 vectors at once in a fixed order: out[i] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
@@ -91,6 +102,19 @@ inline void HSum8Many(const __m256* v, int n, float* out) {
   alignas(32) float s[8];
   _mm256_store_ps(s, _mm256_add_ps(lo, hi));
   std::memcpy(out, s, sizeof(float) * n);
+}
+
+// dots[t][h] = the tile's horizontal sum s[t × NH + h] plus the values [i, n) past the last whole vector, in
+// order.
+template <int NT, int NH, bool I8>
+inline void FinishDots(const float* s, const float* const* q, const void* const* rows, int i, int n, float (*dots)[4]) {
+  for (int t = 0; t < NT; ++t) {
+    for (int h = 0; h < NH; ++h) {
+      float r = s[t * NH + h];
+      for (int u = i; u < n; ++u) r += q[h][u] * At<I8>(rows[t], u);
+      dots[t][h] = r;
+    }
+  }
 }
 
 // dots[t][h] = q_h · row_t over n values for NT cached rows and NH heads (NT × NH ≤ 8): per pair one 8-lane
@@ -113,13 +137,7 @@ inline void DotsTile(const float* const* q, const void* const* rows, int n, floa
   }
   float s[8];
   HSum8Many(acc, NT * NH, s);
-  for (int t = 0; t < NT; ++t) {
-    for (int h = 0; h < NH; ++h) {
-      float r = s[t * NH + h];
-      for (int u = i; u < n; ++u) r += q[h][u] * At<I8>(rows[t], u);
-      dots[t][h] = r;
-    }
-  }
+  FinishDots<NT, NH, I8>(s, q, rows, i, n, dots);
 }
 
 // The kernels of the AVX2 level (8-lane chains).
@@ -171,13 +189,7 @@ struct Avx512Latent {
     }
     float s[8];
     HSum8Many(half, NT * NH, s);
-    for (int t = 0; t < NT; ++t) {
-      for (int h = 0; h < NH; ++h) {
-        float r = s[t * NH + h];
-        for (int u = i; u < n; ++u) r += q[h][u] * At<I8>(rows[t], u);
-        dots[t][h] = r;
-      }
-    }
+    FinishDots<NT, NH, I8>(s, q, rows, i, n, dots);
   }
   // Dims [d0, d0 + 16 V) of NH heads over nj rows.
   template <int NH, int V, bool I8, class Row>
@@ -201,23 +213,11 @@ struct Avx512Latent {
   template <int NH, bool I8>
   QKV_AVX512 static void Weighted(const float* const* w, const void* rows, size_t stride, int nj, int n,
                                   float* const* o) {
-    const auto row = [&](int j) {
-      if constexpr (I8) {
-        return static_cast<const void*>(static_cast<const int8_t*>(rows) + static_cast<size_t>(j) * stride);
-      } else {
-        return static_cast<const void*>(static_cast<const float*>(rows) + static_cast<size_t>(j) * stride);
-      }
-    };
+    const auto row = [&](int j) { return RowAt<I8>(rows, stride, j); };
     int d0 = 0;
     for (; d0 + 64 <= n; d0 += 64) Chunk<NH, 4, I8>(w, row, nj, d0, o);
     for (; d0 + 16 <= n; d0 += 16) Chunk<NH, 1, I8>(w, row, nj, d0, o);
-    for (; d0 < n; ++d0) {
-      for (int h = 0; h < NH; ++h) {
-        float a = o[h][d0];
-        for (int j = 0; j < nj; ++j) a = std::fma(w[h][j], At<I8>(row(j), d0), a);
-        o[h][d0] = a;
-      }
-    }
+    WeightedTail<NH, I8>(w, rows, stride, nj, d0, n, o);
   }
 };
 
@@ -262,13 +262,7 @@ inline void ScoreTokens(const float* q, int W, int R, int P, int nh, const void*
 template <class K, bool I8>
 inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj, int bs,
                        float scale, float* scores, size_t stride, size_t col) {
-  const auto row = [](const void* base, int j, int width) {
-    if constexpr (I8) {
-      return static_cast<const void*>(static_cast<const int8_t*>(base) + static_cast<size_t>(j) * width);
-    } else {
-      return static_cast<const void*>(static_cast<const float*>(base) + static_cast<size_t>(j) * width);
-    }
-  };
+  const auto row = [](const void* base, int j, int width) { return RowAt<I8>(base, width, j); };
   const auto scales = [&](int j, float* cs, float* rs) {
     if constexpr (I8) {
       *cs = ScaleAt(static_cast<const uint8_t*>(c), bs, R, j);
