@@ -1,29 +1,27 @@
-// The attention kernel on every KV-cache dtype against a plain double-precision computation over the
-// values the cache holds, and the int8 cache's quantization and accounting.
+// The attention kernels (GQA and MLA) on every KV-cache dtype against a plain double-precision computation
+// over the values the cache holds, and the int8 cache's quantization and accounting.
 #include "engine/kernels/attention.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "engine/bf16.h"
 #include "engine/kernels/cpu.h"
+#include "engine/kernels/mla_attention.h"
 #include "test_util.h"
 
 namespace qkv {
 namespace {
 
-// The value the cache holds for element d of token `slot`'s K (or V) of kv head h in block b, decoded
-// from the layout kv_cache.h and attention.cc document: keys [hd][bs], values [bs][hd]; int8 regions
-// end with bs bf16 scales.
-double Held(const KvCache& kv, int layer, int b, int h, int slot, int d, bool key) {
-  const KvCacheShape& s = kv.shape();
-  const uint8_t* r = key ? kv.K(layer, b, h) : kv.V(layer, b, h);
-  const size_t i = key ? static_cast<size_t>(d) * s.block_size + slot : static_cast<size_t>(slot) * s.head_dim + d;
-  switch (s.dtype) {
+// Element i of a cache region of dtype dt; int8 regions keep the bf16 scale of each vector at scale_at.
+double Element(const uint8_t* r, DType dt, size_t i, size_t scale_at) {
+  switch (dt) {
     case DType::kF32: {
       float f;
       std::memcpy(&f, r + 4 * i, 4);
@@ -36,11 +34,21 @@ double Held(const KvCache& kv, int layer, int b, int h, int slot, int d, bool ke
     }
     case DType::kI8: {
       uint16_t u;
-      std::memcpy(&u, r + static_cast<size_t>(s.block_size) * s.head_dim + 2 * slot, 2);
+      std::memcpy(&u, r + scale_at, 2);
       return static_cast<int8_t>(r[i]) * static_cast<double>(Bf16ToF32(u));
     }
   }
   return 0;
+}
+
+// The value the cache holds for element d of token `slot`'s K (or V) of kv head h in block b, decoded
+// from the layout kv_cache.h and attention.cc document: keys [hd][bs], values [bs][hd]; int8 regions
+// end with bs bf16 scales.
+double Held(const KvCache& kv, int layer, int b, int h, int slot, int d, bool key) {
+  const KvCacheShape& s = kv.shape();
+  const uint8_t* r = key ? kv.K(layer, b, h) : kv.V(layer, b, h);
+  const size_t i = key ? static_cast<size_t>(d) * s.block_size + slot : static_cast<size_t>(slot) * s.head_dim + d;
+  return Element(r, s.dtype, i, static_cast<size_t>(s.block_size) * s.head_dim + 2 * slot);
 }
 
 struct Case {
@@ -205,6 +213,116 @@ TEST(KvInt8, AccountingCountsTheScales) {
   EXPECT_EQ(ParseKvDType("int8").value(), DType::kI8);
   EXPECT_FALSE(ParseKvDType("q4").ok());
   EXPECT_FALSE(ParseDType("int8").ok());  // not a weights dtype
+}
+
+// MLA (kernels/mla_attention.h): element d of token `slot`'s latent (K plane) or rope key (V plane) in
+// block b, both row-major [bs][width]; int8 regions end with bs bf16 scales.
+double HeldLatent(const KvCache& kv, int layer, int b, int slot, int d, bool latent) {
+  const KvCacheShape& s = kv.shape();
+  const int width = latent ? s.head_dim : s.value_dim();
+  const uint8_t* r = latent ? kv.K(layer, b, 0) : kv.V(layer, b, 0);
+  return Element(r, s.dtype, static_cast<size_t>(slot) * width + d,
+                 static_cast<size_t>(s.block_size) * width + 2 * slot);
+}
+
+struct LatentCase {
+  DType dt;
+  int n_heads, latent_dim, rope_dim, block_size;
+};
+
+// AttendLatent over n_ctx positions at the current kernel level against softmax((q_lat·c + q_pe·k_pe) ×
+// scale) c in double over the held values; and, within the level, the same bits whichever heads share a
+// call (all heads at once, one by one, and in uneven groups), with the other heads' outputs untouched.
+void CheckLatent(const LatentCase& c, int n_ctx) {
+  const int R = c.latent_dim, P = c.rope_dim, W = R + P, nh = c.n_heads;
+  const int blocks_needed = (n_ctx + c.block_size - 1) / c.block_size;
+  KvCacheShape shape{1, 1, R, c.block_size, blocks_needed + 2, c.dt, P};
+  auto kv = KvCache::Create(shape);
+  ASSERT_TRUE(kv.ok());
+  std::vector<int> blocks;  // not in order, to exercise the block table
+  for (int b = 0; b < blocks_needed; ++b) blocks.push_back((b * 3 + 2) % (blocks_needed + 2));
+  std::mt19937 rng(R * 131 + P * 17 + nh * 7 + c.block_size + static_cast<int>(c.dt));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> latent(R), rope(P);
+  for (int p = 0; p < n_ctx; ++p) {
+    for (float& x : latent) x = nd(rng) * (1 + p % 3);
+    for (float& x : rope) x = nd(rng) * (1 + p % 2);
+    StoreLatent(**kv, 0, blocks.data(), p, latent.data(), rope.data());
+  }
+  std::vector<float> q(static_cast<size_t>(nh) * W);
+  for (float& x : q) x = nd(rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(W));
+  const std::string what = std::string(KernelIsaName(ActiveKernelIsa())) + " " + DTypeName(c.dt) + " heads " +
+                           std::to_string(nh) + " R " + std::to_string(R) + " P " + std::to_string(P) + " bs " +
+                           std::to_string(c.block_size) + " n_ctx " + std::to_string(n_ctx);
+  // Heads in calls of the given sizes; scratch full of NaNs (a lane read before written poisons the output).
+  auto attend = [&](const std::vector<int>& sizes) {
+    std::vector<float> out(static_cast<size_t>(nh) * R, -7.0f);
+    for (size_t i = 0, h0 = 0; h0 < static_cast<size_t>(nh); ++i) {
+      const int n = std::min(sizes[i % sizes.size()], nh - static_cast<int>(h0));
+      std::vector<float> scratch(LatentAttentionScratchFloats(n, n_ctx, R, P, c.block_size), NAN);
+      std::vector<float> before = out;
+      AttendLatent(**kv, 0, blocks.data(), n_ctx, q.data(), out.data(), static_cast<int>(h0), n, scale, scratch.data());
+      for (size_t e = 0; e < out.size(); ++e) {
+        if (e >= h0 * R && e < (h0 + n) * R) continue;
+        EXPECT_EQ(out[e], before[e]) << what << ": heads from " << h0 << " wrote element " << e;
+      }
+      h0 += n;
+    }
+    return out;
+  };
+  const std::vector<float> out = attend({nh});
+  for (const std::vector<int>& sizes : {std::vector<int>{1}, std::vector<int>{3, 2}, std::vector<int>{5}}) {
+    const std::vector<float> o = attend(sizes);
+    ASSERT_EQ(0, std::memcmp(o.data(), out.data(), sizeof(float) * o.size()))
+        << what << ": heads in calls of " << sizes[0] << " give other bits";
+  }
+  double worst = 0;
+  for (int h = 0; h < nh; ++h) {
+    const float* qh = q.data() + static_cast<size_t>(h) * W;
+    std::vector<double> w(n_ctx);
+    double m = -INFINITY;
+    for (int p = 0; p < n_ctx; ++p) {
+      const int b = blocks[p / c.block_size], slot = p % c.block_size;
+      double dot = 0;
+      for (int d = 0; d < R; ++d) dot += qh[d] * HeldLatent(**kv, 0, b, slot, d, true);
+      for (int d = 0; d < P; ++d) dot += qh[R + d] * HeldLatent(**kv, 0, b, slot, d, false);
+      w[p] = dot * scale;
+      m = std::max(m, w[p]);
+    }
+    double sum = 0;
+    for (double& x : w) sum += (x = std::exp(x - m));
+    for (int d = 0; d < R; ++d) {
+      double o = 0;
+      for (int p = 0; p < n_ctx; ++p)
+        o += w[p] / sum * HeldLatent(**kv, 0, blocks[p / c.block_size], p % c.block_size, d, true);
+      worst = std::max(worst, std::fabs(o - out[static_cast<size_t>(h) * R + d]));
+    }
+  }
+  EXPECT_LT(worst, 2e-5) << what;
+}
+
+// Every path of the MLA kernel at every level the CPU has: 1-9 heads (tiles of up to 4 heads), latent widths
+// with and without whole 16- and 64-value chunks and tails, rope widths below one vector and with a tail,
+// odd and even token counts per block (tiles of two tokens), contexts that end inside a block.
+TEST(LatentAttention, MatchesDoublePrecisionAtEveryLevel) {
+  testing::KernelLevelGuard guard;
+  for (KernelIsa isa : {KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (CpuKernelIsa() < isa) {
+      std::printf("[ SKIPPED  ] level %s: the CPU has %s\n", KernelIsaName(isa), KernelIsaName(CpuKernelIsa()));
+      continue;
+    }
+    SetKernelIsaForTesting(isa);
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kI8}) {
+      for (auto [R, P] : {std::pair{64, 16}, {128, 8}, {80, 4}, {36, 20}}) {
+        for (int nh : {1, 4, 6, 9}) {
+          for (int bs : {16, 5}) {
+            for (int n : {1, 2, 17, 40, 131}) CheckLatent({dt, nh, R, P, bs}, n);
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "engine/bf16.h"
 #include "engine/kernels/cpu.h"
 #include "engine/kernels/ops.h"
+#include "engine/kernels/weighted_sum.h"
 
 namespace qkv {
 
@@ -55,6 +56,14 @@ void StoreKvElement(uint8_t* dst, size_t index, float v, DType dt) {
 }
 
 namespace {
+
+using kernels::I8x8ToF32;
+using kernels::LoadI8x16;
+using kernels::LoadI8x8;
+using kernels::LoadRow16;
+using kernels::LoadRow8;
+using kernels::WeightedSumTile16;
+using kernels::WeightedSumTile8;
 
 inline void Store(uint8_t* dst, size_t index, float v, DType dt) { StoreKvElement(dst, index, v, dt); }
 
@@ -118,10 +127,6 @@ inline void ScalesI8(const uint8_t* region, int bs, int hd, int n, float mul, fl
   }
 }
 
-inline __m256 I8x8ToF32(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // Scores of NH heads against one block of 16 int8 keys stored transposed ([hd][16]): each key row is
 // converted once in registers and shared by the heads; then × the slot's scale × 1/sqrt(hd).
 template <int NH>
@@ -143,38 +148,16 @@ inline void BlockScoresI8x16(const float* const* q, const int8_t* kt, int hd, co
   }
 }
 
-// o_h += Σ_j w_h[j] · v_j for NH heads over nj value rows of hd, 8·ND dims at a time; load(i) gives the
-// block's value elements [i, i + 8) as f32 (row j starts at j·hd). Each value row is loaded once in
-// registers and shared by the heads. Every output element is one FMA chain in position order, whatever NH
-// and ND.
-template <int NH, int ND, class Load>
-inline void WeightedSumTile8(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
-  for (int d0 = 0; d0 < hd; d0 += 8 * ND) {
-    __m256 acc[NH][ND];
-    for (int h = 0; h < NH; ++h)
-      for (int n = 0; n < ND; ++n) acc[h][n] = _mm256_loadu_ps(o[h] + d0 + 8 * n);
-    for (int j = 0; j < nj; ++j) {
-      __m256 vf[ND];
-      for (int n = 0; n < ND; ++n) vf[n] = load(static_cast<size_t>(j) * hd + d0 + 8 * n);
-      for (int h = 0; h < NH; ++h) {
-        const __m256 wb = _mm256_broadcast_ss(w[h] + j);
-        for (int n = 0; n < ND; ++n) acc[h][n] = _mm256_fmadd_ps(wb, vf[n], acc[h][n]);
-      }
-    }
-    for (int h = 0; h < NH; ++h)
-      for (int n = 0; n < ND; ++n) _mm256_storeu_ps(o[h] + d0 + 8 * n, acc[h][n]);
-  }
-}
 // NH heads with up to 8 accumulators (16 ymm registers); hd is a multiple of 16.
 template <int NH, class Load>
 inline void WeightedSumHeads8(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
   if constexpr (NH == 1) {
-    if (hd % 64 == 0) return WeightedSumTile8<1, 8>(w, load, nj, hd, o);
+    if (hd % 64 == 0) return WeightedSumTile8<1, 8>(w, load, nj, hd, 0, hd, o);
   }
   if constexpr (NH <= 2) {
-    if (hd % 32 == 0) return WeightedSumTile8<NH, 4>(w, load, nj, hd, o);
+    if (hd % 32 == 0) return WeightedSumTile8<NH, 4>(w, load, nj, hd, 0, hd, o);
   }
-  WeightedSumTile8<NH, 2>(w, load, nj, hd, o);
+  WeightedSumTile8<NH, 2>(w, load, nj, hd, 0, hd, o);
 }
 // Heads [0, n), 4 at a time.
 template <class Load>
@@ -188,22 +171,6 @@ inline void WeightedSum8(const float* const* w, int n, const Load& load, int nj,
     default: break;
   }
 }
-struct LoadI8x8 {  // int8 values
-  const int8_t* v;
-  __m256 operator()(size_t i) const { return I8x8ToF32(v + i); }
-};
-template <bool BF16>
-struct LoadRow8 {  // f32 or bf16 values (bf16 → f32 is exact)
-  const uint8_t* v;
-  __m256 operator()(size_t i) const {
-    if constexpr (BF16) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(v) + i));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm256_loadu_ps(reinterpret_cast<const float*>(v) + i);
-    }
-  }
-};
 
 // Pass 1 on an int8 block for the group's heads: scores[hh][j] = (q_hh · k_int_j) × s_j / sqrt(hd).
 template <class Kernels>
@@ -338,8 +305,6 @@ struct Avx2Kernels {
   }
 };
 
-#define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
 QKV_AVX512 inline __m512 FastExp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
@@ -358,32 +323,13 @@ QKV_AVX512 inline __m512 FastExp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// WeightedSumTile8 and its callers with 16 lanes (up to 16 accumulators of 32 zmm registers).
-template <int NH, int ND, class Load>
-QKV_AVX512 inline void WeightedSumTile16(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
-  for (int d0 = 0; d0 < hd; d0 += 16 * ND) {
-    __m512 acc[NH][ND];
-    for (int h = 0; h < NH; ++h)
-      for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_loadu_ps(o[h] + d0 + 16 * n);
-    for (int j = 0; j < nj; ++j) {
-      __m512 vf[ND];
-      for (int n = 0; n < ND; ++n) vf[n] = load(static_cast<size_t>(j) * hd + d0 + 16 * n);
-      for (int h = 0; h < NH; ++h) {
-        const __m512 wb = _mm512_set1_ps(w[h][j]);
-        for (int n = 0; n < ND; ++n) acc[h][n] = _mm512_fmadd_ps(wb, vf[n], acc[h][n]);
-      }
-    }
-    for (int h = 0; h < NH; ++h)
-      for (int n = 0; n < ND; ++n) _mm512_storeu_ps(o[h] + d0 + 16 * n, acc[h][n]);
-  }
-}
 template <int NH, class Load>
 QKV_AVX512 inline void WeightedSumHeads16(const float* const* w, const Load& load, int nj, int hd, float* const* o) {
   if constexpr (NH <= 4) {
-    if (hd % 64 == 0) return WeightedSumTile16<NH, 4>(w, load, nj, hd, o);
+    if (hd % 64 == 0) return WeightedSumTile16<NH, 4>(w, load, nj, hd, 0, hd, o);
   }
-  if (hd % 32 == 0) return WeightedSumTile16<NH, 2>(w, load, nj, hd, o);
-  WeightedSumTile16<NH, 1>(w, load, nj, hd, o);
+  if (hd % 32 == 0) return WeightedSumTile16<NH, 2>(w, load, nj, hd, 0, hd, o);
+  WeightedSumTile16<NH, 1>(w, load, nj, hd, 0, hd, o);
 }
 template <class Load>
 QKV_AVX512 inline void WeightedSum16(const float* const* w, int n, const Load& load, int nj, int hd, float* const* o) {
@@ -397,24 +343,6 @@ QKV_AVX512 inline void WeightedSum16(const float* const* w, int n, const Load& l
     default: break;
   }
 }
-struct LoadI8x16 {
-  const int8_t* v;
-  QKV_AVX512 __m512 operator()(size_t i) const {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))));
-  }
-};
-template <bool BF16>
-struct LoadRow16 {
-  const uint8_t* v;
-  QKV_AVX512 __m512 operator()(size_t i) const {
-    if constexpr (BF16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(v) + i));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_loadu_ps(reinterpret_cast<const float*>(v) + i);
-    }
-  }
-};
 
 struct Avx512Kernels {
   QKV_AVX512 static void ToF32(const uint8_t* src, int n, DType dt, float* dst) {

@@ -9,14 +9,20 @@
 //   amx          avx512_vnni + AMX-BF16 tiles, with the kernel's permission to use them (Sapphire Rapids and
 //                later): bf16 weights run on the AMX GEMM (kernels/amx_gemm.h)
 // QKV_MAX_ISA=avx2|avx512|avx512_vnni|amx caps the level the way ONEDNN_MAX_CPU_ISA caps oneDNN (per process,
-// read once); a level above what the CPU has is the CPU's level. Every kernel gives the same bits at
-// every level (the wider kernels run the same operations per output in the same order), which
-// tests/linear_test.cc and tests/quant_test.cc check on whatever CPU runs them.
+// read once); a level above what the CPU has is the CPU's level. The GEMMs and the GQA attention give the
+// same bits at every level (the wider kernels run the same operations per output in the same order), which
+// tests/linear_test.cc, tests/quant_test.cc and tests/attention_test.cc check on whatever CPU runs them;
+// MLA attention's scores are 16-lane dot products at the AVX-512 levels (other bits than at avx2, the same
+// at every M and chunking within a level; kernels/mla_attention.h).
 #pragma once
 
 #include <string>
 
 #include "engine/status.h"
+
+// The target attributes of the levels' functions (the x86-64-v4 subset, and with VNNI).
+#define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define QKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 namespace qkv {
 

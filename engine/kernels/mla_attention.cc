@@ -10,13 +10,10 @@
 #include "engine/kernels/attention.h"
 #include "engine/kernels/cpu.h"
 #include "engine/kernels/ops.h"
+#include "engine/kernels/weighted_sum.h"
 
 namespace qkv {
 namespace {
-
-inline __m256 I8x8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 
 // The bf16 scale of vector j of an int8 region (its bs × width values come first).
 inline float ScaleAt(const uint8_t* region, int bs, int width, int j) {
@@ -29,7 +26,7 @@ inline float ScaleAt(const uint8_t* region, int bs, int width, int j) {
 template <bool I8>
 inline __m256 Load8(const void* row, int i) {
   if constexpr (I8) {
-    return I8x8(static_cast<const int8_t*>(row) + i);
+    return kernels::I8x8ToF32(static_cast<const int8_t*>(row) + i);
   } else {
     return _mm256_loadu_ps(static_cast<const float*>(row) + i);
   }
@@ -66,27 +63,31 @@ inline void WeightedTail(const float* const* w, const void* rows, size_t stride,
   }
 }
 
+// The loads of kernels/weighted_sum.h on cached rows: f32 (bf16 blocks are converted to f32 first) or int8.
+template <bool I8>
+inline auto RowLoad8(const void* rows) {
+  if constexpr (I8) {
+    return kernels::LoadI8x8{static_cast<const int8_t*>(rows)};
+  } else {
+    return kernels::LoadRow8<false>{static_cast<const uint8_t*>(rows)};
+  }
+}
+template <bool I8>
+inline auto RowLoad16(const void* rows) {
+  if constexpr (I8) {
+    return kernels::LoadI8x16{static_cast<const int8_t*>(rows)};
+  } else {
+    return kernels::LoadRow16<false>{static_cast<const uint8_t*>(rows)};
+  }
+}
+
 // o_h[0, n) += Σ_j w_h[j] · row_j for NH heads over nj rows (row j at rows + j × stride elements): every
 // element one FMA chain in position order; each row chunk is loaded once for all heads.
 template <int NH, bool I8>
 inline void WeightedRows(const float* const* w, const void* rows, size_t stride, int nj, int n, float* const* o) {
-  const auto row = [&](int j) { return RowAt<I8>(rows, stride, j); };
-  int d0 = 0;
-  for (; d0 + 16 <= n; d0 += 16) {
-    __m256 acc[NH][2];
-    for (int h = 0; h < NH; ++h) acc[h][0] = _mm256_loadu_ps(o[h] + d0), acc[h][1] = _mm256_loadu_ps(o[h] + d0 + 8);
-    for (int j = 0; j < nj; ++j) {
-      const void* r = row(j);
-      const __m256 v0 = Load8<I8>(r, d0), v1 = Load8<I8>(r, d0 + 8);
-      for (int h = 0; h < NH; ++h) {
-        const __m256 wb = _mm256_broadcast_ss(w[h] + j);
-        acc[h][0] = _mm256_fmadd_ps(wb, v0, acc[h][0]);
-        acc[h][1] = _mm256_fmadd_ps(wb, v1, acc[h][1]);
-      }
-    }
-    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(o[h] + d0, acc[h][0]), _mm256_storeu_ps(o[h] + d0 + 8, acc[h][1]);
-  }
-  WeightedTail<NH, I8>(w, rows, stride, nj, d0, n, o);
+  const int n16 = n / 16 * 16;
+  kernels::WeightedSumTile8<NH, 2>(w, RowLoad8<I8>(rows), nj, stride, 0, n16, o);
+  WeightedTail<NH, I8>(w, rows, stride, nj, n16, n, o);
 }
 
 // Horizontal sums of n ≤ 8 vectors at once in a fixed order: out[i] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
@@ -152,22 +153,11 @@ struct Avx2Latent {
   }
 };
 
-#define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
 // The kernels of the AVX-512 levels: dots as 16-lane chains (lanes k and k + 8 added, then the 8-lane
 // order), so the scores have other bits than at the AVX2 level but the same at every M, chunk and tile;
 // weighted sums in 16-lane vectors, 64 dims × 4 heads per tile, each element the same FMA chain as at the
 // AVX2 level (the same bits).
 struct Avx512Latent {
-  template <bool I8>
-  QKV_AVX512 static __m512 Load16(const void* row, int i) {
-    if constexpr (I8) {
-      const auto* p = static_cast<const int8_t*>(row) + i;
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    } else {
-      return _mm512_loadu_ps(static_cast<const float*>(row) + i);
-    }
-  }
   template <int NT, int NH, bool I8>
   QKV_AVX512 static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
     static_assert(NT * NH <= 8);
@@ -176,7 +166,7 @@ struct Avx512Latent {
     int i = 0;
     for (; i + 16 <= n; i += 16) {
       __m512 k[NT];
-      for (int t = 0; t < NT; ++t) k[t] = Load16<I8>(rows[t], i);
+      for (int t = 0; t < NT; ++t) k[t] = RowLoad16<I8>(rows[t])(static_cast<size_t>(i));
       for (int h = 0; h < NH; ++h) {
         const __m512 qv = _mm512_loadu_ps(q[h] + i);
         for (int t = 0; t < NT; ++t) acc[t * NH + h] = _mm512_fmadd_ps(qv, k[t], acc[t * NH + h]);
@@ -191,33 +181,14 @@ struct Avx512Latent {
     HSum8Many(half, NT * NH, s);
     FinishDots<NT, NH, I8>(s, q, rows, i, n, dots);
   }
-  // Dims [d0, d0 + 16 V) of NH heads over nj rows.
-  template <int NH, int V, bool I8, class Row>
-  QKV_AVX512 static void Chunk(const float* const* w, const Row& row, int nj, int d0, float* const* o) {
-    __m512 acc[NH][V];
-    for (int h = 0; h < NH; ++h)
-      for (int v = 0; v < V; ++v) acc[h][v] = _mm512_loadu_ps(o[h] + d0 + 16 * v);
-    for (int j = 0; j < nj; ++j) {
-      const void* r = row(j);
-      __m512 x[V];
-      for (int v = 0; v < V; ++v) x[v] = Load16<I8>(r, d0 + 16 * v);
-      for (int h = 0; h < NH; ++h) {
-        const __m512 wb = _mm512_set1_ps(w[h][j]);
-        for (int v = 0; v < V; ++v) acc[h][v] = _mm512_fmadd_ps(wb, x[v], acc[h][v]);
-      }
-    }
-    for (int h = 0; h < NH; ++h)
-      for (int v = 0; v < V; ++v) _mm512_storeu_ps(o[h] + d0 + 16 * v, acc[h][v]);
-  }
   // o_h[0, n) += Σ_j w_h[j] · row_j as WeightedRows: per element one FMA chain in position order.
   template <int NH, bool I8>
   QKV_AVX512 static void Weighted(const float* const* w, const void* rows, size_t stride, int nj, int n,
                                   float* const* o) {
-    const auto row = [&](int j) { return RowAt<I8>(rows, stride, j); };
-    int d0 = 0;
-    for (; d0 + 64 <= n; d0 += 64) Chunk<NH, 4, I8>(w, row, nj, d0, o);
-    for (; d0 + 16 <= n; d0 += 16) Chunk<NH, 1, I8>(w, row, nj, d0, o);
-    WeightedTail<NH, I8>(w, rows, stride, nj, d0, n, o);
+    const int n64 = n / 64 * 64, n16 = n / 16 * 16;
+    kernels::WeightedSumTile16<NH, 4>(w, RowLoad16<I8>(rows), nj, stride, 0, n64, o);
+    kernels::WeightedSumTile16<NH, 1>(w, RowLoad16<I8>(rows), nj, stride, n64, n16, o);
+    WeightedTail<NH, I8>(w, rows, stride, nj, n16, n, o);
   }
 };
 

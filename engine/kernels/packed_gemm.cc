@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "engine/bf16.h"
+#include "engine/kernels/cpu.h"
 
 namespace qkv {
 namespace {
@@ -101,8 +102,6 @@ TileFn<W> Pick(int mr, int np) {
 // one output's FMA chain over k in order from 0, then the bias. bf16 panel rows are widened with
 // vpmovzxwd, which leaves the columns in slot order (0, 8, 1, 9, ...); the accumulators keep that order and
 // are put back in column order once, at the store. 32 registers allow tiles up to 12 rows × 2 panels.
-#define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
 QKV_AVX512 inline __m512 LoadPanel(const float* p) { return _mm512_loadu_ps(p); }
 QKV_AVX512 inline __m512 LoadPanel(const uint16_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "engine/kernels/cpu.h"
 #include "engine/kernels/quant_panel.h"
 
 namespace qkv {
@@ -291,8 +292,6 @@ void DotTile(const uint8_t* const* w, size_t stride, int k, const QuantizedRowSe
 // vpdpbusd multiplies unsigned by signed bytes, so the weights go in offset by 128 (w ^ 0x80 = w + 128) and
 // the accumulator starts at −128 × (the 4 activations' sum), computed once per row and block. Every lane
 // then runs the AVX2 kernel's float operations in the same order, and each half is summed by HSum.
-#define QKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
 // A column pair's 32-value groups j as one zmm of unsigned bytes, offset by 128 (the weight w is w + 128).
 // The 4-, 5- and 6-bit types decode both columns in one 512-bit pass (fifth bits through a 64-bit mask);
 // the others (Q8_0, Q2_K, Q3_K) pair the AVX2 decoders' ymm.

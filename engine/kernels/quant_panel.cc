@@ -4,12 +4,11 @@
 
 #include <cstring>
 
+#include "engine/kernels/cpu.h"
 #include "engine/kernels/quant_gemm.h"
 
 namespace qkv {
 namespace {
-
-#define QKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 // ---- Helpers on 64-byte panel rows: on AVX-512 the whole row (16 panel rows, one per 32-bit lane), on
 // AVX2 half h of it (panel rows 8h..8h+7).
