@@ -22,72 +22,63 @@ inline float ScaleAt(const uint8_t* region, int bs, int width, int j) {
   return Bf16ToF32(h);
 }
 
-// 8 values of a cached row, as f32: an f32 row (bf16 blocks are converted to f32 first) or an int8 one.
-template <bool I8>
-inline __m256 Load8(const void* row, int i) {
-  if constexpr (I8) {
-    return kernels::I8x8ToF32(static_cast<const int8_t*>(row) + i);
-  } else {
-    return _mm256_loadu_ps(static_cast<const float*>(row) + i);
-  }
+// Cached rows are read where they lie, in the cache's dtype DT (f32, bf16 or int8), and widened to f32 in
+// registers (bf16 → f32 is exact, so reading a bf16 row directly gives the bits of a converted copy).
+template <DType DT>
+inline const void* RowAt(const void* rows, size_t stride, int j) {  // row j, stride elements apart
+  return static_cast<const uint8_t*>(rows) + static_cast<size_t>(j) * stride *
+                                                 (DT == DType::kF32    ? 4
+                                                  : DT == DType::kBF16 ? 2
+                                                                       : 1);
 }
-template <bool I8>
+template <DType DT>
 inline float At(const void* row, int i) {
-  if constexpr (I8) {
+  if constexpr (DT == DType::kI8) {
     return static_cast<float>(static_cast<const int8_t*>(row)[i]);
+  } else if constexpr (DT == DType::kBF16) {
+    return Bf16ToF32(static_cast<const uint16_t*>(row)[i]);
   } else {
     return static_cast<const float*>(row)[i];
   }
 }
-
-// Row j of a block's cached rows (stride elements apart).
-template <bool I8>
-inline const void* RowAt(const void* rows, size_t stride, int j) {
-  if constexpr (I8) {
-    return static_cast<const int8_t*>(rows) + static_cast<size_t>(j) * stride;
+// The loads of kernels/weighted_sum.h on a block's rows (element i counted from the first row).
+template <DType DT>
+inline auto RowLoad8(const void* rows) {
+  if constexpr (DT == DType::kI8) {
+    return kernels::LoadI8x8{static_cast<const int8_t*>(rows)};
   } else {
-    return static_cast<const float*>(rows) + static_cast<size_t>(j) * stride;
+    return kernels::LoadRow8<DT == DType::kBF16>{static_cast<const uint8_t*>(rows)};
+  }
+}
+template <DType DT>
+inline auto RowLoad16(const void* rows) {
+  if constexpr (DT == DType::kI8) {
+    return kernels::LoadI8x16{static_cast<const int8_t*>(rows)};
+  } else {
+    return kernels::LoadRow16<DT == DType::kBF16>{static_cast<const uint8_t*>(rows)};
   }
 }
 
 // Dims [d0, n) of the weighted sum, one element at a time (the same FMA chain as the vector tiles).
-template <int NH, bool I8>
+template <int NH, DType DT>
 inline void WeightedTail(const float* const* w, const void* rows, size_t stride, int nj, int d0, int n,
                          float* const* o) {
   for (; d0 < n; ++d0) {
     for (int h = 0; h < NH; ++h) {
       float a = o[h][d0];
-      for (int j = 0; j < nj; ++j) a = std::fma(w[h][j], At<I8>(RowAt<I8>(rows, stride, j), d0), a);
+      for (int j = 0; j < nj; ++j) a = std::fma(w[h][j], At<DT>(RowAt<DT>(rows, stride, j), d0), a);
       o[h][d0] = a;
     }
   }
 }
 
-// The loads of kernels/weighted_sum.h on cached rows: f32 (bf16 blocks are converted to f32 first) or int8.
-template <bool I8>
-inline auto RowLoad8(const void* rows) {
-  if constexpr (I8) {
-    return kernels::LoadI8x8{static_cast<const int8_t*>(rows)};
-  } else {
-    return kernels::LoadRow8<false>{static_cast<const uint8_t*>(rows)};
-  }
-}
-template <bool I8>
-inline auto RowLoad16(const void* rows) {
-  if constexpr (I8) {
-    return kernels::LoadI8x16{static_cast<const int8_t*>(rows)};
-  } else {
-    return kernels::LoadRow16<false>{static_cast<const uint8_t*>(rows)};
-  }
-}
-
 // o_h[0, n) += Σ_j w_h[j] · row_j for NH heads over nj rows (row j at rows + j × stride elements): every
 // element one FMA chain in position order; each row chunk is loaded once for all heads.
-template <int NH, bool I8>
+template <int NH, DType DT>
 inline void WeightedRows(const float* const* w, const void* rows, size_t stride, int nj, int n, float* const* o) {
   const int n16 = n / 16 * 16;
-  kernels::WeightedSumTile8<NH, 2>(w, RowLoad8<I8>(rows), nj, stride, 0, n16, o);
-  WeightedTail<NH, I8>(w, rows, stride, nj, n16, n, o);
+  kernels::WeightedSumTile8<NH, 2>(w, RowLoad8<DT>(rows), nj, stride, 0, n16, o);
+  WeightedTail<NH, DT>(w, rows, stride, nj, n16, n, o);
 }
 
 // Horizontal sums of n ≤ 8 vectors at once in a fixed order: out[i] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
@@ -107,12 +98,12 @@ inline void HSum8Many(const __m256* v, int n, float* out) {
 
 // dots[t][h] = the tile's horizontal sum s[t × NH + h] plus the values [i, n) past the last whole vector, in
 // order.
-template <int NT, int NH, bool I8>
+template <int NT, int NH, DType DT>
 inline void FinishDots(const float* s, const float* const* q, const void* const* rows, int i, int n, float (*dots)[4]) {
   for (int t = 0; t < NT; ++t) {
     for (int h = 0; h < NH; ++h) {
       float r = s[t * NH + h];
-      for (int u = i; u < n; ++u) r += q[h][u] * At<I8>(rows[t], u);
+      for (int u = i; u < n; ++u) r += q[h][u] * At<DT>(rows[t], u);
       dots[t][h] = r;
     }
   }
@@ -122,7 +113,7 @@ inline void FinishDots(const float* s, const float* const* q, const void* const*
 // FMA chain over the values, each row and query chunk loaded once for the tile, NT × NH chains in flight;
 // reduced in a fixed order (HSum8Many, then the tail in order), so a pair's value is the same whatever tile
 // it is computed in.
-template <int NT, int NH, bool I8>
+template <int NT, int NH, DType DT>
 inline void DotsTile(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
   static_assert(NT * NH <= 8);
   __m256 acc[NT * NH];
@@ -130,7 +121,7 @@ inline void DotsTile(const float* const* q, const void* const* rows, int n, floa
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 k[NT];
-    for (int t = 0; t < NT; ++t) k[t] = Load8<I8>(rows[t], i);
+    for (int t = 0; t < NT; ++t) k[t] = RowLoad8<DT>(rows[t])(static_cast<size_t>(i));
     for (int h = 0; h < NH; ++h) {
       const __m256 qv = _mm256_loadu_ps(q[h] + i);
       for (int t = 0; t < NT; ++t) acc[t * NH + h] = _mm256_fmadd_ps(qv, k[t], acc[t * NH + h]);
@@ -138,18 +129,18 @@ inline void DotsTile(const float* const* q, const void* const* rows, int n, floa
   }
   float s[8];
   HSum8Many(acc, NT * NH, s);
-  FinishDots<NT, NH, I8>(s, q, rows, i, n, dots);
+  FinishDots<NT, NH, DT>(s, q, rows, i, n, dots);
 }
 
 // The kernels of the AVX2 level (8-lane chains).
 struct Avx2Latent {
-  template <int NT, int NH, bool I8>
+  template <int NT, int NH, DType DT>
   static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
-    DotsTile<NT, NH, I8>(q, rows, n, dots);
+    DotsTile<NT, NH, DT>(q, rows, n, dots);
   }
-  template <int NH, bool I8>
+  template <int NH, DType DT>
   static void Weighted(const float* const* w, const void* rows, size_t stride, int nj, int n, float* const* o) {
-    WeightedRows<NH, I8>(w, rows, stride, nj, n, o);
+    WeightedRows<NH, DT>(w, rows, stride, nj, n, o);
   }
 };
 
@@ -158,7 +149,7 @@ struct Avx2Latent {
 // weighted sums in 16-lane vectors, 64 dims × 4 heads per tile, each element the same FMA chain as at the
 // AVX2 level (the same bits).
 struct Avx512Latent {
-  template <int NT, int NH, bool I8>
+  template <int NT, int NH, DType DT>
   QKV_AVX512 static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
     static_assert(NT * NH <= 8);
     __m512 acc[NT * NH];
@@ -166,7 +157,7 @@ struct Avx512Latent {
     int i = 0;
     for (; i + 16 <= n; i += 16) {
       __m512 k[NT];
-      for (int t = 0; t < NT; ++t) k[t] = RowLoad16<I8>(rows[t])(static_cast<size_t>(i));
+      for (int t = 0; t < NT; ++t) k[t] = RowLoad16<DT>(rows[t])(static_cast<size_t>(i));
       for (int h = 0; h < NH; ++h) {
         const __m512 qv = _mm512_loadu_ps(q[h] + i);
         for (int t = 0; t < NT; ++t) acc[t * NH + h] = _mm512_fmadd_ps(qv, k[t], acc[t * NH + h]);
@@ -179,32 +170,32 @@ struct Avx512Latent {
     }
     float s[8];
     HSum8Many(half, NT * NH, s);
-    FinishDots<NT, NH, I8>(s, q, rows, i, n, dots);
+    FinishDots<NT, NH, DT>(s, q, rows, i, n, dots);
   }
   // o_h[0, n) += Σ_j w_h[j] · row_j as WeightedRows: per element one FMA chain in position order.
-  template <int NH, bool I8>
+  template <int NH, DType DT>
   QKV_AVX512 static void Weighted(const float* const* w, const void* rows, size_t stride, int nj, int n,
                                   float* const* o) {
     const int n64 = n / 64 * 64, n16 = n / 16 * 16;
-    kernels::WeightedSumTile16<NH, 4>(w, RowLoad16<I8>(rows), nj, stride, 0, n64, o);
-    kernels::WeightedSumTile16<NH, 1>(w, RowLoad16<I8>(rows), nj, stride, n64, n16, o);
-    WeightedTail<NH, I8>(w, rows, stride, nj, n16, n, o);
+    kernels::WeightedSumTile16<NH, 4>(w, RowLoad16<DT>(rows), nj, stride, 0, n64, o);
+    kernels::WeightedSumTile16<NH, 1>(w, RowLoad16<DT>(rows), nj, stride, n64, n16, o);
+    WeightedTail<NH, DT>(w, rows, stride, nj, n16, n, o);
   }
 };
 
 // The latent and rope dots of NT tokens against NH heads.
-template <class K, int NT, int NH, bool I8>
+template <class K, int NT, int NH, DType DT>
 inline void TokenDots(const float* const* qc, const float* const* qr, const void* const* crow, const void* const* rrow,
                       int R, int P, float (*dc)[4], float (*dr)[4]) {
-  K::template Dots<NT, NH, I8>(qc, crow, R, dc);
-  K::template Dots<NT, NH, I8>(qr, rrow, P, dr);
+  K::template Dots<NT, NH, DT>(qc, crow, R, dc);
+  K::template Dots<NT, NH, DT>(qr, rrow, P, dr);
 }
 
 // Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against NT = 1 or 2 cached tokens: their
 // latent rows (R values) and rope rows (P values), in groups of up to 4 heads that share each load. int8
 // rows carry their scales cs, rs. Token t's scores go to scores[h × stride + col + t]. A score is the same
 // whichever tokens and heads share its tile.
-template <class K, int NT, bool I8>
+template <class K, int NT, DType DT>
 inline void ScoreTokens(const float* q, int W, int R, int P, int nh, const void* const* crow, const void* const* rrow,
                         const float* cs, const float* rs, float scale, float* scores, size_t stride, size_t col) {
   for (int h = 0; h < nh; h += 4) {
@@ -214,14 +205,14 @@ inline void ScoreTokens(const float* q, int W, int R, int P, int nh, const void*
     for (int i = 0; i < n; ++i) qc[i] = q + static_cast<size_t>(h + i) * W, qr[i] = qc[i] + R;
     float dc[NT][4], dr[NT][4];
     switch (n) {
-      case 4: TokenDots<K, NT, 4, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
-      case 3: TokenDots<K, NT, 3, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
-      case 2: TokenDots<K, NT, 2, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
-      default: TokenDots<K, NT, 1, I8>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 4: TokenDots<K, NT, 4, DT>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 3: TokenDots<K, NT, 3, DT>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      case 2: TokenDots<K, NT, 2, DT>(qc, qr, crow, rrow, R, P, dc, dr); break;
+      default: TokenDots<K, NT, 1, DT>(qc, qr, crow, rrow, R, P, dc, dr); break;
     }
     for (int t = 0; t < NT; ++t) {
       for (int i = 0; i < n; ++i) {
-        const float v = I8 ? dc[t][i] * cs[t] + dr[t][i] * rs[t] : dc[t][i] + dr[t][i];
+        const float v = DT == DType::kI8 ? dc[t][i] * cs[t] + dr[t][i] * rs[t] : dc[t][i] + dr[t][i];
         scores[static_cast<size_t>(h + i) * stride + col + t] = v * scale;
       }
     }
@@ -230,12 +221,12 @@ inline void ScoreTokens(const float* q, int W, int R, int P, int nh, const void*
 
 // Scores of heads [0, nh) against the nj tokens of one block (row j of the latents at c + j × cstride
 // elements, of the rope keys at r + j × rstride; int8: scales from the regions), two tokens at a time.
-template <class K, bool I8>
+template <class K, DType DT>
 inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj, int bs,
                        float scale, float* scores, size_t stride, size_t col) {
-  const auto row = [](const void* base, int j, int width) { return RowAt<I8>(base, width, j); };
+  const auto row = [](const void* base, int j, int width) { return RowAt<DT>(base, width, j); };
   const auto scales = [&](int j, float* cs, float* rs) {
-    if constexpr (I8) {
+    if constexpr (DT == DType::kI8) {
       *cs = ScaleAt(static_cast<const uint8_t*>(c), bs, R, j);
       *rs = ScaleAt(static_cast<const uint8_t*>(r), bs, P, j);
     } else {
@@ -249,20 +240,20 @@ inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* 
     float cs[2], rs[2];
     scales(j, &cs[0], &rs[0]);
     scales(j + 1, &cs[1], &rs[1]);
-    ScoreTokens<K, 2, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+    ScoreTokens<K, 2, DT>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
   }
   if (j < nj) {
     const void* cr[1] = {row(c, j, R)};
     const void* rr[1] = {row(r, j, P)};
     float cs[1], rs[1];
     scales(j, &cs[0], &rs[0]);
-    ScoreTokens<K, 1, I8>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+    ScoreTokens<K, 1, DT>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
   }
 }
 
 // out_h += Σ_j w_h[j] · c_j over one block's nj latent rows for heads [0, nh) (weights at w + h × stride,
 // outputs at out + h × R), in groups of up to 4 heads.
-template <class K, bool I8>
+template <class K, DType DT>
 inline void WeightBlock(const float* w, size_t stride, int nh, const void* rows, int nj, int R, float* out) {
   for (int h = 0; h < nh; h += 4) {
     const int n = std::min(4, nh - h);
@@ -271,10 +262,10 @@ inline void WeightBlock(const float* w, size_t stride, int nh, const void* rows,
     for (int i = 0; i < n; ++i)
       wp[i] = w + static_cast<size_t>(h + i) * stride, op[i] = out + static_cast<size_t>(h + i) * R;
     switch (n) {
-      case 4: K::template Weighted<4, I8>(wp, rows, R, nj, R, op); break;
-      case 3: K::template Weighted<3, I8>(wp, rows, R, nj, R, op); break;
-      case 2: K::template Weighted<2, I8>(wp, rows, R, nj, R, op); break;
-      default: K::template Weighted<1, I8>(wp, rows, R, nj, R, op); break;
+      case 4: K::template Weighted<4, DT>(wp, rows, R, nj, R, op); break;
+      case 3: K::template Weighted<3, DT>(wp, rows, R, nj, R, op); break;
+      case 2: K::template Weighted<2, DT>(wp, rows, R, nj, R, op); break;
+      default: K::template Weighted<1, DT>(wp, rows, R, nj, R, op); break;
     }
   }
 }
@@ -298,25 +289,22 @@ void StoreLatent(KvCache& kv, int layer, const int* blocks, int pos, const float
   for (int d = 0; d < P; ++d) StoreKvElement(r, static_cast<size_t>(slot) * P + d, rope_key[d], s.dtype);
 }
 
-size_t LatentAttentionScratchFloats(int n_heads, int n_ctx, int latent_dim, int rope_dim, int block_size) {
+size_t LatentAttentionScratchFloats(int n_heads, int n_ctx, int /*latent_dim*/, int /*rope_dim*/, int block_size) {
   const size_t row = (static_cast<size_t>(n_ctx) + block_size + 7) / 8 * 8;
-  return static_cast<size_t>(n_heads) * row + static_cast<size_t>(block_size) * (latent_dim + rope_dim) + 16;
+  return static_cast<size_t>(n_heads) * row + 16;
 }
 
 namespace {
 
-// AttendLatent with the kernels of one level.
-template <class K>
+// AttendLatent with the kernels K of one level on a cache of dtype DT.
+template <class K, DType DT>
 inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out, int h0,
                        int nh, float scale, float* scratch) {
   const KvCacheShape& s = kv.shape();
   const int R = s.head_dim, P = s.value_dim(), bs = s.block_size, W = R + P;
   const int n_blocks = (n_ctx + bs - 1) / bs;
   const size_t stride = (static_cast<size_t>(n_blocks) * bs + 7) / 8 * 8;
-  float* scores = scratch;                                    // [nh][stride]
-  float* blk_c = scratch + static_cast<size_t>(nh) * stride;  // one block's latents as f32 [bs][R]
-  float* blk_r = blk_c + static_cast<size_t>(bs) * R;         // and rope keys [bs][P]
-  const bool i8 = s.dtype == DType::kI8;
+  float* scores = scratch;  // [nh][stride]
 
   // Pass 1: scores, block by block in position order.
   const float* qh0 = q + static_cast<size_t>(h0) * W;
@@ -324,14 +312,7 @@ inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     const int nj = std::min(bs, n_ctx - b * bs);
     const uint8_t* c = kv.K(layer, blocks[b], 0);
     const uint8_t* r = kv.V(layer, blocks[b], 0);
-    const size_t col = static_cast<size_t>(b) * bs;
-    if (i8) {
-      ScoreBlock<K, true>(qh0, W, R, P, nh, c, r, nj, bs, scale, scores, stride, col);
-      continue;
-    }
-    KvToF32(c, nj * R, s.dtype, blk_c);
-    KvToF32(r, nj * P, s.dtype, blk_r);
-    ScoreBlock<K, false>(qh0, W, R, P, nh, blk_c, blk_r, nj, bs, scale, scores, stride, col);
+    ScoreBlock<K, DT>(qh0, W, R, P, nh, c, r, nj, bs, scale, scores, stride, static_cast<size_t>(b) * bs);
   }
   // Softmax per head over [0, n_ctx); lanes past n_ctx up to the vector end are set to -inf (weight 0).
   for (int hh = 0; hh < nh; ++hh) {
@@ -352,14 +333,21 @@ inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     const int nj = std::min(bs, n_ctx - b * bs);
     const uint8_t* c = kv.K(layer, blocks[b], 0);
     float* w = scores + static_cast<size_t>(b) * bs;
-    if (i8) {
+    if constexpr (DT == DType::kI8) {
       for (int hh = 0; hh < nh; ++hh)
         for (int j = 0; j < nj; ++j) w[hh * stride + j] *= ScaleAt(c, bs, R, j);
-      WeightBlock<K, true>(w, stride, nh, c, nj, R, oh0);
-      continue;
     }
-    KvToF32(c, nj * R, s.dtype, blk_c);
-    WeightBlock<K, false>(w, stride, nh, blk_c, nj, R, oh0);
+    WeightBlock<K, DT>(w, stride, nh, c, nj, R, oh0);
+  }
+}
+
+template <class K>
+inline void LatentAnyDType(const KvCache& kv, int layer, const int* blocks, int n_ctx, const float* q, float* out,
+                           int h0, int nh, float scale, float* scratch) {
+  switch (kv.shape().dtype) {
+    case DType::kF32: return LatentBody<K, DType::kF32>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
+    case DType::kBF16: return LatentBody<K, DType::kBF16>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
+    case DType::kI8: return LatentBody<K, DType::kI8>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
   }
 }
 
@@ -367,7 +355,7 @@ inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ct
 QKV_AVX512 __attribute__((flatten)) void AttendLatent512(const KvCache& kv, int layer, const int* blocks, int n_ctx,
                                                          const float* q, float* out, int h0, int nh, float scale,
                                                          float* scratch) {
-  LatentBody<Avx512Latent>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
+  LatentAnyDType<Avx512Latent>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
 }
 
 }  // namespace
@@ -376,7 +364,7 @@ void AttendLatent(const KvCache& kv, int layer, const int* blocks, int n_ctx, co
                   int nh, float scale, float* scratch) {
   if (ActiveKernelIsa() >= KernelIsa::kAvx512)
     return AttendLatent512(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
-  LatentBody<Avx2Latent>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
+  LatentAnyDType<Avx2Latent>(kv, layer, blocks, n_ctx, q, out, h0, nh, scale, scratch);
 }
 
 }  // namespace qkv
