@@ -88,19 +88,6 @@ inline void BlockScores16(const float* const* q, const float* kt, int hd, float 
   }
 }
 
-// max over x[0, n) (exact in any order).
-inline float Max(const float* x, int n) {
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  int j = 0;
-  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float r = -INFINITY;
-  for (float v : lanes) r = std::max(r, v);
-  for (; j < n; ++j) r = std::max(r, x[j]);
-  return r;
-}
-
 // o += Σ_j w[j] · v[j] over nj rows of HD values, with the HD accumulators in registers.
 template <int HD>
 inline void WeightedSum(const float* w, const float* v, int nj, float* o) {

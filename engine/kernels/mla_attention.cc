@@ -134,6 +134,7 @@ inline void DotsTile(const float* const* q, const void* const* rows, int n, floa
 
 // The kernels of the AVX2 level (8-lane chains).
 struct Avx2Latent {
+  static constexpr int kTokens = 2;  // cached tokens per score tile (2 × 4 heads: 8 of the 16 ymm registers)
   template <int NT, int NH, DType DT>
   static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
     DotsTile<NT, NH, DT>(q, rows, n, dots);
@@ -149,9 +150,10 @@ struct Avx2Latent {
 // weighted sums in 16-lane vectors, 64 dims × 4 heads per tile, each element the same FMA chain as at the
 // AVX2 level (the same bits).
 struct Avx512Latent {
+  static constexpr int kTokens = 4;  // 4 × 4 heads: 16 accumulators of the 32 zmm registers
   template <int NT, int NH, DType DT>
   QKV_AVX512 static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
-    static_assert(NT * NH <= 8);
+    static_assert(NT * NH <= 16);
     __m512 acc[NT * NH];
     for (auto& a : acc) a = _mm512_setzero_ps();
     int i = 0;
@@ -168,8 +170,9 @@ struct Avx512Latent {
       const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[a]), 1));
       half[a] = _mm256_add_ps(_mm512_castps512_ps256(acc[a]), hi);
     }
-    float s[8];
-    HSum8Many(half, NT * NH, s);
+    float s[16];
+    HSum8Many(half, std::min(8, NT * NH), s);
+    if constexpr (NT * NH > 8) HSum8Many(half + 8, NT * NH - 8, s + 8);
     FinishDots<NT, NH, DT>(s, q, rows, i, n, dots);
   }
   // o_h[0, n) += Σ_j w_h[j] · row_j as WeightedRows: per element one FMA chain in position order.
@@ -191,7 +194,7 @@ inline void TokenDots(const float* const* qc, const float* const* qr, const void
   K::template Dots<NT, NH, DT>(qr, rrow, P, dr);
 }
 
-// Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against NT = 1 or 2 cached tokens: their
+// Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against NT = 1, 2 or 4 cached tokens: their
 // latent rows (R values) and rope rows (P values), in groups of up to 4 heads that share each load. int8
 // rows carry their scales cs, rs. Token t's scores go to scores[h × stride + col + t]. A score is the same
 // whichever tokens and heads share its tile.
@@ -219,8 +222,8 @@ inline void ScoreTokens(const float* q, int W, int R, int P, int nh, const void*
   }
 }
 
-// Scores of heads [0, nh) against the nj tokens of one block (row j of the latents at c + j × cstride
-// elements, of the rope keys at r + j × rstride; int8: scales from the regions), two tokens at a time.
+// Scores of heads [0, nh) against the nj tokens of one block (row j of the latents at c + j × R elements, of
+// the rope keys at r + j × P; int8: scales from the regions), K::kTokens tokens at a time, then 2, then 1.
 template <class K, DType DT>
 inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj, int bs,
                        float scale, float* scores, size_t stride, size_t col) {
@@ -233,22 +236,20 @@ inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* 
       *cs = *rs = 1.0f;
     }
   };
+  // Tokens [j, j + NT) in one tile.
+  const auto tile = [&]<int NT>(int j) {
+    const void* cr[NT];
+    const void* rr[NT];
+    float cs[NT], rs[NT];
+    for (int t = 0; t < NT; ++t) cr[t] = row(c, j + t, R), rr[t] = row(r, j + t, P), scales(j + t, &cs[t], &rs[t]);
+    ScoreTokens<K, NT, DT>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+  };
   int j = 0;
-  for (; j + 2 <= nj; j += 2) {
-    const void* cr[2] = {row(c, j, R), row(c, j + 1, R)};
-    const void* rr[2] = {row(r, j, P), row(r, j + 1, P)};
-    float cs[2], rs[2];
-    scales(j, &cs[0], &rs[0]);
-    scales(j + 1, &cs[1], &rs[1]);
-    ScoreTokens<K, 2, DT>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+  if constexpr (K::kTokens > 2) {
+    for (; j + K::kTokens <= nj; j += K::kTokens) tile.template operator()<K::kTokens>(j);
   }
-  if (j < nj) {
-    const void* cr[1] = {row(c, j, R)};
-    const void* rr[1] = {row(r, j, P)};
-    float cs[1], rs[1];
-    scales(j, &cs[0], &rs[0]);
-    ScoreTokens<K, 1, DT>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
-  }
+  for (; j + 2 <= nj; j += 2) tile.template operator()<2>(j);
+  if (j < nj) tile.template operator()<1>(j);
 }
 
 // out_h += Σ_j w_h[j] · c_j over one block's nj latent rows for heads [0, nh) (weights at w + h × stride,
@@ -319,9 +320,7 @@ inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     float* sc = scores + hh * stride;
     const int padded = (n_ctx + 7) / 8 * 8;
     for (int j = n_ctx; j < padded; ++j) sc[j] = -INFINITY;
-    float m = -INFINITY;
-    for (int j = 0; j < n_ctx; ++j) m = std::max(m, sc[j]);
-    const __m256 mv = _mm256_set1_ps(m);
+    const __m256 mv = _mm256_set1_ps(Max(sc, n_ctx));
     for (int j = 0; j < padded; j += 8) _mm256_storeu_ps(sc + j, FastExp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv)));
     const float inv = 1.0f / Sum(sc, n_ctx);
     for (int j = 0; j < n_ctx; ++j) sc[j] *= inv;

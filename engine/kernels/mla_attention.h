@@ -11,8 +11,9 @@
 // with its own bf16 scale, and read in registers: q_lat · c_int_j × s_c + q_pe · k_pe_int_j × s_pe, and
 // the weighted sum runs on w_j × s_c and c_int_j. Each score is a fixed-lane dot product and each output
 // element one FMA chain in position order, so a head's result depends only on its query, its position and
-// the cache: not on chunking, batching, or which other heads and tokens share a tile (scores run two cached
-// tokens × up to 4 heads per tile). The kernels are chosen per level (kernels/cpu.h): 8-lane dot products
+// the cache: not on chunking, batching, or which other heads and tokens share a tile (scores run up to 4 heads
+// × 2 cached tokens per tile at the AVX2 level, × 4 at the AVX-512 levels). Cached rows are read in place in
+// the cache's dtype and widened in registers. The kernels are chosen per level (kernels/cpu.h): 8-lane dot products
 // at the AVX2 level, 16-lane ones at the AVX-512 levels (other bits between levels, the same within one);
 // the weighted sums have the same bits at every level.
 #pragma once

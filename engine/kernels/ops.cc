@@ -34,6 +34,18 @@ float Sum(const float* x, int n) {
   return acc[0];
 }
 
+float Max(const float* x, int n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float r = -INFINITY;
+  for (float v : lanes) r = std::max(r, v);
+  for (; j < n; ++j) r = std::max(r, x[j]);
+  return r;
+}
+
 void RmsNorm(const float* x, const float* w, float* out, int n, float eps) {
   const float ss = Dot(x, x, n);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);

@@ -57,6 +57,8 @@ void RmsNorm(const float* x, const float* w, float* out, int n, float eps);
 void SiluMul(const float* gate, const float* up, float* out, int n);
 // Σ x[i] with 16 fixed lanes, reduced in a fixed order.
 float Sum(const float* x, int n);
+// max x[i] (-inf for n = 0), 8 lanes at a time (a maximum is exact, so any order gives the same value).
+float Max(const float* x, int n);
 // x[i] += y[i]
 void AddInPlace(float* x, const float* y, int n);
 
