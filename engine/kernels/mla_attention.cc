@@ -109,13 +109,13 @@ inline void FinishDots(const float* s, const float* const* q, const void* const*
   }
 }
 
-// dots[t][h] = q_h · row_t over n values for NT cached rows and NH heads (NT × NH ≤ 8): per pair one 8-lane
+// dots[t][h] = q_h · row_t over n values for NT cached rows and NH heads (NT × NH ≤ 16): per pair one 8-lane
 // FMA chain over the values, each row and query chunk loaded once for the tile, NT × NH chains in flight;
 // reduced in a fixed order (HSum8Many, then the tail in order), so a pair's value is the same whatever tile
 // it is computed in.
 template <int NT, int NH, DType DT>
 inline void DotsTile(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
-  static_assert(NT * NH <= 8);
+  static_assert(NT * NH <= 16);
   __m256 acc[NT * NH];
   for (auto& a : acc) a = _mm256_setzero_ps();
   int i = 0;
@@ -127,14 +127,15 @@ inline void DotsTile(const float* const* q, const void* const* rows, int n, floa
       for (int t = 0; t < NT; ++t) acc[t * NH + h] = _mm256_fmadd_ps(qv, k[t], acc[t * NH + h]);
     }
   }
-  float s[8];
-  HSum8Many(acc, NT * NH, s);
+  float s[16];
+  HSum8Many(acc, std::min(8, NT * NH), s);
+  if constexpr (NT * NH > 8) HSum8Many(acc + 8, NT * NH - 8, s + 8);
   FinishDots<NT, NH, DT>(s, q, rows, i, n, dots);
 }
 
 // The kernels of the AVX2 level (8-lane chains).
 struct Avx2Latent {
-  static constexpr int kTokens = 2;  // cached tokens per score tile (2 × 4 heads: 8 of the 16 ymm registers)
+  static constexpr int kTokens = 3;  // cached tokens per score tile (3 × 4 heads: 12 of the 16 ymm registers)
   template <int NT, int NH, DType DT>
   static void Dots(const float* const* q, const void* const* rows, int n, float (*dots)[4]) {
     DotsTile<NT, NH, DT>(q, rows, n, dots);
