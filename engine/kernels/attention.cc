@@ -159,6 +159,16 @@ inline void WeightedSum8(const float* const* w, int n, const Load& load, int nj,
   }
 }
 
+// Kernels::ScoresI8x16 for n heads, 1 ≤ n ≤ N.
+template <class Kernels, int N>
+inline void ScoresI8x16Of(int n, const float* const* q, const int8_t* kt, int hd, const float* slot_mul,
+                          float* const* sc) {
+  if constexpr (N > 1) {
+    if (n < N) return ScoresI8x16Of<Kernels, N - 1>(n, q, kt, hd, slot_mul, sc);
+  }
+  Kernels::template ScoresI8x16<N>(q, kt, hd, slot_mul, sc);
+}
+
 // Pass 1 on an int8 block for the group's heads: scores[hh][j] = (q_hh · k_int_j) × s_j / sqrt(hd).
 template <class Kernels>
 inline void BlockScoresI8(const float* const* q, int group, const uint8_t* region, int hd, int bs, float scale,
@@ -166,14 +176,10 @@ inline void BlockScoresI8(const float* const* q, int group, const uint8_t* regio
   ScalesI8(region, bs, hd, bs, scale, slot_mul);
   const auto* kt = reinterpret_cast<const int8_t*>(region);
   if (bs == 16) {
+    constexpr int KH = Kernels::kI8ScoreHeads;
     int h = 0;
-    for (; h + 4 <= group; h += 4) Kernels::template ScoresI8x16<4>(q + h, kt, hd, slot_mul, sc + h);
-    switch (group - h) {
-      case 3: Kernels::template ScoresI8x16<3>(q + h, kt, hd, slot_mul, sc + h); break;
-      case 2: Kernels::template ScoresI8x16<2>(q + h, kt, hd, slot_mul, sc + h); break;
-      case 1: Kernels::template ScoresI8x16<1>(q + h, kt, hd, slot_mul, sc + h); break;
-      default: break;
-    }
+    for (; h + KH <= group; h += KH) Kernels::template ScoresI8x16<KH>(q + h, kt, hd, slot_mul, sc + h);
+    if (h < group) ScoresI8x16Of<Kernels, KH - 1>(group - h, q + h, kt, hd, slot_mul, sc + h);
     return;
   }
   for (int hh = 0; hh < group; ++hh) {
@@ -209,6 +215,7 @@ inline void WeightedSumI8Block(float* const* w, int group, const uint8_t* region
 // chain over the positions in order; FastExp16 runs FastExp8's operations lane by lane; bf16 → f32 and max
 // are exact. tests/attention_test.cc compares the two levels bit for bit.
 struct Avx2Kernels {
+  static constexpr int kI8ScoreHeads = 4;  // heads per int8 score tile: 2 ymm accumulators each
   static void ToF32(const uint8_t* src, int n, DType dt, float* dst) { KvToF32(src, n, dt, dst); }
   // Scores of heads [0, n) against a block of 16 transposed f32 keys, 4 heads at a time.
   static void Scores16(const float* const* q, int n, const float* kt, int hd, float scale, float* const* sc) {
@@ -332,6 +339,7 @@ QKV_AVX512 inline void WeightedSum16(const float* const* w, int n, const Load& l
 }
 
 struct Avx512Kernels {
+  static constexpr int kI8ScoreHeads = 8;  // one zmm accumulator each: 8 chains in flight
   QKV_AVX512 static void ToF32(const uint8_t* src, int n, DType dt, float* dst) {
     if (dt == DType::kF32) {
       std::memcpy(dst, src, sizeof(float) * n);
