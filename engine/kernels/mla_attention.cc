@@ -96,6 +96,14 @@ inline void HSum8Many(const __m256* v, int n, float* out) {
   std::memcpy(out, s, sizeof(float) * n);
 }
 
+// HSum8Many for N ≤ 16 vectors, 8 at a time.
+template <int N>
+inline void HSums(const __m256* v, float* out) {
+  static_assert(N <= 16);
+  HSum8Many(v, std::min(8, N), out);
+  if constexpr (N > 8) HSum8Many(v + 8, N - 8, out + 8);
+}
+
 // dots[t][h] = the tile's horizontal sum s[t × NH + h] plus the values [i, n) past the last whole vector, in
 // order.
 template <int NT, int NH, DType DT>
@@ -128,8 +136,7 @@ inline void DotsTile(const float* const* q, const void* const* rows, int n, floa
     }
   }
   float s[16];
-  HSum8Many(acc, std::min(8, NT * NH), s);
-  if constexpr (NT * NH > 8) HSum8Many(acc + 8, NT * NH - 8, s + 8);
+  HSums<NT * NH>(acc, s);
   FinishDots<NT, NH, DT>(s, q, rows, i, n, dots);
 }
 
@@ -172,8 +179,7 @@ struct Avx512Latent {
       half[a] = _mm256_add_ps(_mm512_castps512_ps256(acc[a]), hi);
     }
     float s[16];
-    HSum8Many(half, std::min(8, NT * NH), s);
-    if constexpr (NT * NH > 8) HSum8Many(half + 8, NT * NH - 8, s + 8);
+    HSums<NT * NH>(half, s);
     FinishDots<NT, NH, DT>(s, q, rows, i, n, dots);
   }
   // o_h[0, n) += Σ_j w_h[j] · row_j as WeightedRows: per element one FMA chain in position order.
@@ -195,7 +201,7 @@ inline void TokenDots(const float* const* qc, const float* const* qr, const void
   K::template Dots<NT, NH, DT>(qr, rrow, P, dr);
 }
 
-// Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against NT = 1, 2 or 4 cached tokens: their
+// Scores of heads [0, nh) (queries at stride W, [q_lat | q_pe]) against NT ≤ K::kTokens cached tokens: their
 // latent rows (R values) and rope rows (P values), in groups of up to 4 heads that share each load. int8
 // rows carry their scales cs, rs. Token t's scores go to scores[h × stride + col + t]. A score is the same
 // whichever tokens and heads share its tile.
