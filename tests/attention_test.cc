@@ -260,7 +260,7 @@ void CheckLatent(const LatentCase& c, int n_ctx) {
     std::vector<float> out(static_cast<size_t>(nh) * R, -7.0f);
     for (size_t i = 0, h0 = 0; h0 < static_cast<size_t>(nh); ++i) {
       const int n = std::min(sizes[i % sizes.size()], nh - static_cast<int>(h0));
-      std::vector<float> scratch(LatentAttentionScratchFloats(n, n_ctx, R, P, c.block_size), NAN);
+      std::vector<float> scratch(LatentAttentionScratchFloats(n, n_ctx, c.block_size), NAN);
       std::vector<float> before = out;
       AttendLatent(**kv, 0, blocks.data(), n_ctx, q.data(), out.data(), static_cast<int>(h0), n, scale, scratch.data());
       for (size_t e = 0; e < out.size(); ++e) {

@@ -46,6 +46,15 @@ void QuantizeKvI8(const float* x, int n, int8_t* q, size_t stride, uint8_t* scal
   std::memcpy(scale_out, &sb, 2);
 }
 
+void KvI8Scales(const uint8_t* region, int bs, int width, int n, float mul, float* out) {
+  const uint8_t* p = region + static_cast<size_t>(bs) * width;
+  for (int j = 0; j < n; ++j) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * j, 2);
+    out[j] = Bf16ToF32(h) * mul;
+  }
+}
+
 void StoreKvElement(uint8_t* dst, size_t index, float v, DType dt) {
   if (dt == DType::kF32) {
     std::memcpy(dst + 4 * index, &v, 4);
@@ -102,16 +111,6 @@ inline void WeightedSum(const float* w, const float* v, int nj, float* o) {
 
 inline void QuantizeI8(const float* x, int n, int8_t* q, size_t stride, uint8_t* scale_out) {
   QuantizeKvI8(x, n, q, stride, scale_out);
-}
-
-// The bf16 scales of an int8 region's n vectors (they follow its block_size × head_dim values), × mul.
-inline void ScalesI8(const uint8_t* region, int bs, int hd, int n, float mul, float* out) {
-  const uint8_t* p = region + static_cast<size_t>(bs) * hd;
-  for (int j = 0; j < n; ++j) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * j, 2);
-    out[j] = Bf16ToF32(h) * mul;
-  }
 }
 
 // Scores of NH heads against one block of 16 int8 keys stored transposed ([hd][16]): each key row is
@@ -173,7 +172,7 @@ inline void ScoresI8x16Of(int n, const float* const* q, const int8_t* kt, int hd
 template <class Kernels>
 inline void BlockScoresI8(const float* const* q, int group, const uint8_t* region, int hd, int bs, float scale,
                           float* slot_mul, float* const* sc) {
-  ScalesI8(region, bs, hd, bs, scale, slot_mul);
+  KvI8Scales(region, bs, hd, bs, scale, slot_mul);
   const auto* kt = reinterpret_cast<const int8_t*>(region);
   if (bs == 16) {
     constexpr int KH = Kernels::kI8ScoreHeads;
@@ -196,7 +195,7 @@ inline void BlockScoresI8(const float* const* q, int group, const uint8_t* regio
 template <class Kernels>
 inline void WeightedSumI8Block(float* const* w, int group, const uint8_t* region, int hd, int bs, int nj, float* vmul,
                                float* const* o) {
-  ScalesI8(region, bs, hd, nj, 1.0f, vmul);
+  KvI8Scales(region, bs, hd, nj, 1.0f, vmul);
   for (int hh = 0; hh < group; ++hh)
     for (int j = 0; j < nj; ++j) w[hh][j] *= vmul[j];
   const auto* v = reinterpret_cast<const int8_t*>(region);

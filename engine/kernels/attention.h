@@ -31,6 +31,9 @@ void StoreKvElement(uint8_t* dst, size_t index, float v, DType dt);
 // One int8 cached vector of n values (element i at q[i * stride]) and its bf16 scale: scale =
 // bf16(max|x| / 127), q = clamp(round half to even(x / scale), -127, 127).
 void QuantizeKvI8(const float* x, int n, int8_t* q, size_t stride, uint8_t* scale_out);
+// The bf16 scales of the first n vectors of an int8 region (its bs × width values come first, then one bf16
+// scale per vector), each × mul, as f32 in out[0, n).
+void KvI8Scales(const uint8_t* region, int bs, int width, int n, float mul, float* out);
 
 struct AttentionShape {
   int n_heads = 0;

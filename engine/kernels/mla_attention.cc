@@ -15,21 +15,15 @@
 namespace qkv {
 namespace {
 
-// The bf16 scale of vector j of an int8 region (its bs × width values come first).
-inline float ScaleAt(const uint8_t* region, int bs, int width, int j) {
-  uint16_t h;
-  std::memcpy(&h, region + static_cast<size_t>(bs) * width + 2 * j, 2);
-  return Bf16ToF32(h);
-}
-
 // Cached rows are read where they lie, in the cache's dtype DT (f32, bf16 or int8), and widened to f32 in
 // registers (bf16 → f32 is exact, so reading a bf16 row directly gives the bits of a converted copy).
 template <DType DT>
+constexpr size_t kBytes = DT == DType::kF32    ? 4
+                          : DT == DType::kBF16 ? 2
+                                               : 1;  // of one element
+template <DType DT>
 inline const void* RowAt(const void* rows, size_t stride, int j) {  // row j, stride elements apart
-  return static_cast<const uint8_t*>(rows) + static_cast<size_t>(j) * stride *
-                                                 (DT == DType::kF32    ? 4
-                                                  : DT == DType::kBF16 ? 2
-                                                                       : 1);
+  return static_cast<const uint8_t*>(rows) + static_cast<size_t>(j) * stride * kBytes<DT>;
 }
 template <DType DT>
 inline float At(const void* row, int i) {
@@ -230,26 +224,16 @@ inline void ScoreTokens(const float* q, int W, int R, int P, int nh, const void*
 }
 
 // Scores of heads [0, nh) against the nj tokens of one block (row j of the latents at c + j × R elements, of
-// the rope keys at r + j × P; int8: scales from the regions), K::kTokens tokens at a time, then 2, then 1.
+// the rope keys at r + j × P; int8: their scales in cs[j], rs[j]), K::kTokens tokens at a time, then 2, then 1.
 template <class K, DType DT>
-inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj, int bs,
-                       float scale, float* scores, size_t stride, size_t col) {
-  const auto row = [](const void* base, int j, int width) { return RowAt<DT>(base, width, j); };
-  const auto scales = [&](int j, float* cs, float* rs) {
-    if constexpr (DT == DType::kI8) {
-      *cs = ScaleAt(static_cast<const uint8_t*>(c), bs, R, j);
-      *rs = ScaleAt(static_cast<const uint8_t*>(r), bs, P, j);
-    } else {
-      *cs = *rs = 1.0f;
-    }
-  };
+inline void ScoreBlock(const float* q, int W, int R, int P, int nh, const void* c, const void* r, int nj,
+                       const float* cs, const float* rs, float scale, float* scores, size_t stride, size_t col) {
   // Tokens [j, j + NT) in one tile.
   const auto tile = [&]<int NT>(int j) {
     const void* cr[NT];
     const void* rr[NT];
-    float cs[NT], rs[NT];
-    for (int t = 0; t < NT; ++t) cr[t] = row(c, j + t, R), rr[t] = row(r, j + t, P), scales(j + t, &cs[t], &rs[t]);
-    ScoreTokens<K, NT, DT>(q, W, R, P, nh, cr, rr, cs, rs, scale, scores, stride, col + j);
+    for (int t = 0; t < NT; ++t) cr[t] = RowAt<DT>(c, R, j + t), rr[t] = RowAt<DT>(r, P, j + t);
+    ScoreTokens<K, NT, DT>(q, W, R, P, nh, cr, rr, cs + j, rs + j, scale, scores, stride, col + j);
   };
   int j = 0;
   if constexpr (K::kTokens > 2) {
@@ -297,9 +281,9 @@ void StoreLatent(KvCache& kv, int layer, const int* blocks, int pos, const float
   for (int d = 0; d < P; ++d) StoreKvElement(r, static_cast<size_t>(slot) * P + d, rope_key[d], s.dtype);
 }
 
-size_t LatentAttentionScratchFloats(int n_heads, int n_ctx, int /*latent_dim*/, int /*rope_dim*/, int block_size) {
+size_t LatentAttentionScratchFloats(int n_heads, int n_ctx, int block_size) {
   const size_t row = (static_cast<size_t>(n_ctx) + block_size + 7) / 8 * 8;
-  return static_cast<size_t>(n_heads) * row + 16;
+  return static_cast<size_t>(n_heads) * row + 2 * static_cast<size_t>(block_size) + 16;
 }
 
 namespace {
@@ -312,7 +296,9 @@ inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ct
   const int R = s.head_dim, P = s.value_dim(), bs = s.block_size, W = R + P;
   const int n_blocks = (n_ctx + bs - 1) / bs;
   const size_t stride = (static_cast<size_t>(n_blocks) * bs + 7) / 8 * 8;
-  float* scores = scratch;  // [nh][stride]
+  float* scores = scratch;                                 // [nh][stride]
+  float* cs = scratch + static_cast<size_t>(nh) * stride;  // int8: one block's latent scales
+  float* rs = cs + bs;                                     // and rope-key scales
 
   // Pass 1: scores, block by block in position order.
   const float* qh0 = q + static_cast<size_t>(h0) * W;
@@ -320,7 +306,11 @@ inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     const int nj = std::min(bs, n_ctx - b * bs);
     const uint8_t* c = kv.K(layer, blocks[b], 0);
     const uint8_t* r = kv.V(layer, blocks[b], 0);
-    ScoreBlock<K, DT>(qh0, W, R, P, nh, c, r, nj, bs, scale, scores, stride, static_cast<size_t>(b) * bs);
+    if constexpr (DT == DType::kI8) {
+      KvI8Scales(c, bs, R, nj, 1.0f, cs);
+      KvI8Scales(r, bs, P, nj, 1.0f, rs);
+    }
+    ScoreBlock<K, DT>(qh0, W, R, P, nh, c, r, nj, cs, rs, scale, scores, stride, static_cast<size_t>(b) * bs);
   }
   // Softmax per head over [0, n_ctx); lanes past n_ctx up to the vector end are set to -inf (weight 0).
   for (int hh = 0; hh < nh; ++hh) {
@@ -340,8 +330,9 @@ inline void LatentBody(const KvCache& kv, int layer, const int* blocks, int n_ct
     const uint8_t* c = kv.K(layer, blocks[b], 0);
     float* w = scores + static_cast<size_t>(b) * bs;
     if constexpr (DT == DType::kI8) {
+      KvI8Scales(c, bs, R, nj, 1.0f, cs);
       for (int hh = 0; hh < nh; ++hh)
-        for (int j = 0; j < nj; ++j) w[hh * stride + j] *= ScaleAt(c, bs, R, j);
+        for (int j = 0; j < nj; ++j) w[hh * stride + j] *= cs[j];
     }
     WeightBlock<K, DT>(w, stride, nh, c, nj, R, oh0);
   }

@@ -28,7 +28,7 @@ namespace qkv {
 void StoreLatent(KvCache& kv, int layer, const int* blocks, int pos, const float* latent, const float* rope_key);
 
 // Floats of scratch AttendLatent needs for n_heads heads over up to n_ctx positions.
-size_t LatentAttentionScratchFloats(int n_heads, int n_ctx, int latent_dim, int rope_dim, int block_size);
+size_t LatentAttentionScratchFloats(int n_heads, int n_ctx, int block_size);
 
 // Attention of one query token for heads [h0, h0 + nh) over positions [0, n_ctx).
 // q: per head R + P values [q_lat | q_pe], heads at stride R + P; out: per head R values, heads at stride R

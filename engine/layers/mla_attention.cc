@@ -42,7 +42,7 @@ class MlaAttention final : public Layer {
     return {KvVectorBytes(kv_dtype_, R_) + KvVectorBytes(kv_dtype_, P_), 0};
   }
   size_t scratch_floats_per_thread(int n_ctx, int block_size) const override {
-    return LatentAttentionScratchFloats(nh_, n_ctx, R_, P_, block_size);
+    return LatentAttentionScratchFloats(nh_, n_ctx, block_size);
   }
   size_t scratch_bytes() const override {
     return sizeof(float) * (a_buf_.size() + qa_buf_.size() + q_buf_.size() + qm_.size() + ol_.size() + ao_.size());
