@@ -42,6 +42,8 @@
 namespace qkv {
 
 inline constexpr int kTileRows = 128;
+// Up to this many rows, a layer on quantized weights has every thread quantize the rows for itself.
+inline constexpr int kOwnQuantRows = 2;
 // Rows of input storage a call with m rows may read (m padded to its bucket within the last tile, and
 // to at least the largest minimum bucket). Outputs are written for the m rows only.
 int PaddedRows(int m);
@@ -81,6 +83,12 @@ class GemmRuntime {
     qrows_.Resize(rows, cols);
     PublishStagingBytes();
     return qrows_;
+  }
+  // One copy per thread, for Linear::Forward's few-row (decode) path; sized here on the engine thread.
+  QuantizedRows* ThreadQuantizedRowsFor(int rows, int cols) {
+    for (auto& q : thread_qrows_) q.Resize(rows, cols);
+    PublishStagingBytes();
+    return thread_qrows_.data();
   }
   uint16_t* AmxRowsFor(size_t elems) {
     if (amx_rows_.size() < elems) {
@@ -131,11 +139,14 @@ class GemmRuntime {
   bool bf16_input_ = false;
   bool bf16_compute_ = false;
   QuantizedRows qrows_;
+  std::vector<QuantizedRows> thread_qrows_;
   std::vector<uint16_t> amx_rows_;
   std::atomic<size_t> staging_bytes_{0};
 
   void PublishStagingBytes() {
-    staging_bytes_.store(qrows_.bytes() + amx_rows_.capacity() * sizeof(uint16_t), std::memory_order_relaxed);
+    size_t n = qrows_.bytes() + amx_rows_.capacity() * sizeof(uint16_t);
+    for (const auto& q : thread_qrows_) n += q.bytes();
+    staging_bytes_.store(n, std::memory_order_relaxed);
   }
 };
 

@@ -70,8 +70,14 @@ class MoeSwiGlu final : public Layer {
     return sizeof(float) * (logits_.size() + weights_.size() + xin_.size() + gu_.size() + act_.size() + y_.size() +
                             acc_.size() + route_.size()) +
            sizeof(int) * (chosen_.size() + rows_of_.size() + route_idx_.size() + tok_.size() + off_.size()) +
-           hq_.bytes() + aq_[0].bytes() + aq_[1].bytes() + saq_.bytes() +
+           hq_.bytes() + aq_[0].bytes() + aq_[1].bytes() + saq_.bytes() + OwnBytes() +
            sizeof(float) * (sgu_.size() + sact_.size() + sy_.size()) + sizeof(int) * (seq_.size() + active_.size());
+  }
+
+  size_t OwnBytes() const {
+    size_t n = 0;
+    for (const auto& q : hq_own_) n += q.bytes();
+    return n;
   }
 
   const std::vector<uint64_t>* expert_tokens() const override { return &routed_; }
@@ -108,6 +114,7 @@ class MoeSwiGlu final : public Layer {
   bool fused_ = false;
   std::vector<int> tok_, off_;
   QuantizedRows hq_, aq_[2];
+  std::vector<QuantizedRows> hq_own_;  // one per thread: the few tokens' rows at decode (kOwnQuantRows)
   // The spread path (ExpertsSpread): per slot its gate/up outputs, SiLU product (also in int8) and down output.
   static constexpr int kSpreadSlots = 64;
   int spread_slots_ = 0;  // slots the buffers hold (0: no spread path)
@@ -174,6 +181,8 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
     L->tok_.assign(rows * m.n_used, 0);
     L->off_.assign(static_cast<size_t>(E) + 1, 0);
     L->hq_.Resize(static_cast<int>(rows), H);
+    L->hq_own_.resize(static_cast<size_t>(in.gemm.n_threads()));
+    for (auto& q : L->hq_own_) q.Resize(kOwnQuantRows, H);
     for (auto& q : L->aq_) q.Resize(static_cast<int>(rows), F);
     const int S = static_cast<int>(std::min<size_t>(rows * m.n_used, kSpreadSlots));
     L->spread_slots_ = S;
@@ -381,12 +390,22 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
   for (int e = 0; e < E; ++e)
     if (off_[e + 1] > off_[e]) active_[A++] = e;
   const int nb = F / 32;
+  // Decode (T ≤ kOwnQuantRows): each thread quantizes the tokens' rows itself, as Linear::Forward does,
+  // and the barrier after the shared quantization goes.
+  const bool own = T <= kOwnQuantRows;
 #pragma omp parallel num_threads(nthr)
   {
+    const QuantizedRows* hq = &hq_;
+    if (own) {
+      QuantizedRows& q = hq_own_[static_cast<size_t>(omp_get_thread_num())];
+      q.Quantize(s.h, 0, T);
+      hq = &q;
+    } else {
 #pragma omp for schedule(static)
-    for (int i = 0; i < nthr; ++i) hq_.Quantize(s.h, T * i / nthr, T * (i + 1) / nthr);
-      // Gate/up: thread i takes the 32-column blocks [A·nb·i/nthr, A·nb·(i+1)/nthr) of the active experts'
-      // columns laid end to end; each slot's rows land at its place (off_) in the slot buffers.
+      for (int i = 0; i < nthr; ++i) hq_.Quantize(s.h, T * i / nthr, T * (i + 1) / nthr);
+    }
+    // Gate/up: thread i takes the 32-column blocks [A·nb·i/nthr, A·nb·(i+1)/nthr) of the active experts'
+    // columns laid end to end; each slot's rows land at its place (off_) in the slot buffers.
 #pragma omp for schedule(static)
     for (int i = 0; i < nthr; ++i) {
       const int64_t g0 = int64_t{A} * nb * i / nthr, g1 = int64_t{A} * nb * (i + 1) / nthr;
@@ -395,7 +414,7 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
         const int c0 = static_cast<int>(std::max(g0, a * nb) - a * nb) * 32;
         const int c1 = static_cast<int>(std::min(g1, (a + 1) * nb) - a * nb) * 32;
         if (c0 == c1) continue;
-        GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{&hq_, &tok_[o], n}, c0, c1,
+        GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{hq, &tok_[o], n}, c0, c1,
                     &sgu_[static_cast<size_t>(o) * 2 * F], sact_.data(), saq_, o);
       }
     }
