@@ -1,4 +1,5 @@
 // The dense SwiGLU FFN: h = RMSNorm(x) → [g | u] = h·W_GUᵀ (gate and up fused) → x += (silu(g)·u)·W_downᵀ.
+#include "engine/kernels/parallel.h"
 #include "engine/layers/layer.h"
 
 namespace qkv {
@@ -45,17 +46,16 @@ StatusOr<std::unique_ptr<Layer>> DenseSwiGlu::Make(const LayerInit& in) {
 void DenseSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
   const int T = rows.T, H = hidden_, F = ffn_, nthr = s.n_threads;
   ForwardProfile& pf = *s.profile;
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t)
+  ParallelRows(T, nthr, [&](int t) {
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &s.h[static_cast<size_t>(t) * H], H, eps_);
+  });
   s.timer->Mark(pf.norms);
   s.Gemm(*gate_up_, s.h, T, s.gu);
   s.timer->Mark(pf.ffn_up);
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t) {
+  ParallelRows(T, nthr, [&](int t) {
     const float* g = &s.gu[static_cast<size_t>(t) * 2 * F];
     SiluMul(g, g + F, &s.act[static_cast<size_t>(t) * F], F);
-  }
+  });
   s.timer->Mark(pf.ffn_act);
   s.Gemm(*down_, s.act, T, s.tmp);
   AddInPlace(x, s.tmp, T * H);

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "engine/kernels/parallel.h"
 #include "engine/layers/layer.h"
 
 namespace qkv {
@@ -249,9 +250,9 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
   const int nv = la_.n_v_heads, dv = la_.v_dim, nk = la_.n_k_heads, dk = la_.k_dim;
   ForwardProfile& pf = *s.profile;
   float* h = s.h;
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t)
+  ParallelRows(T, nthr, [&](int t) {
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &h[static_cast<size_t>(t) * H], H, eps_);
+  });
   s.timer->Mark(pf.norms);
   s.Gemm(*proj_, h, T, p_.data());
   s.timer->Mark(pf.qkv);
@@ -262,21 +263,19 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
   for (int ci = 0; ci < n_seq; ++ci) r0[ci + 1] = r0[ci] + static_cast<int>(rows.batch[ci].tokens.size());
   std::vector<View> views(static_cast<size_t>(n_seq));
   for (int ci = 0; ci < n_seq; ++ci) views[ci] = Slot(*s.states, rows.batch[ci].seq->state_slot);
-    // Every row's conv reads only inputs, so rows run in parallel; the windows move after.
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t) {
+  // Every row's conv reads only inputs, so rows run in parallel; the windows move after.
+  ParallelRows(T, nthr, [&](int t) {
     const int ci = rows.chunk_of[t];
     ConvRow(t - r0[ci], r0[ci], views[ci]);
-  }
+  });
   for (int ci = 0; ci < n_seq; ++ci) MoveWindow(r0[ci], r0[ci + 1] - r0[ci], views[ci]);
   s.timer->Mark(pf.rope_store);
 
   const int items = n_seq * nv;
-#pragma omp parallel for num_threads(nthr) schedule(dynamic, 1) if (items > 1)
-  for (int it = 0; it < items; ++it) {
+  ParallelItems(items, nthr, [&](int it) {
     const int ci = it / nv, hh = it % nv;
     Head(hh, r0[ci], r0[ci + 1] - r0[ci], rows.pos[r0[ci]], views[ci]);
-  }
+  });
   // Keys of the chunk left open go to the slot (every value head of the group read them from the rows).
   const size_t k_stride = static_cast<size_t>(nk) * dk;
   for (int ci = 0; ci < n_seq; ++ci) {
@@ -288,8 +287,7 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
   }
   // Gated RMSNorm per value head with z, then the output projection.
   const size_t vd = static_cast<size_t>(nv) * dv;
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t) {
+  ParallelRows(T, nthr, [&](int t) {
     float* o = &o_[static_cast<size_t>(t) * vd];
     const float* z = &p_[static_cast<size_t>(t) * proj_n_ + z_off_];
     for (int hh = 0; hh < nv; ++hh) {
@@ -297,7 +295,7 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
       RmsNorm(oh, head_norm_.data(), oh, dv, eps_);
       SiluMul(z + static_cast<size_t>(hh) * dv, oh, oh, dv);
     }
-  }
+  });
   s.timer->Mark(pf.attention);
   s.Gemm(*out_, o_.data(), T, s.tmp);
   AddInPlace(x, s.tmp, T * H);

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include "engine/kernels/attention.h"
+#include "engine/kernels/parallel.h"
 #include "engine/layers/layer.h"
 
 namespace qkv {
@@ -107,16 +108,15 @@ void GqaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   float* qkv = s.qkv;
   float* attn = s.attn;
 
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t)
+  ParallelRows(T, nthr, [&](int t) {
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &h[static_cast<size_t>(t) * H], H, eps);
+  });
   s.timer->Mark(pf.norms);
   s.Gemm(*qkv_, h, T, qkv);
   s.timer->Mark(pf.qkv);
 
   // q/k norm, RoPE (Q and K only; V is stored as projected), then K/V into the cache.
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t) {
+  ParallelRows(T, nthr, [&](int t) {
     float* row = &qkv[static_cast<size_t>(t) * qkv_n];
     const int pos = rows.pos[t];
     for (int hh = 0; hh < c.n_heads; ++hh) {
@@ -131,19 +131,18 @@ void GqaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
     }
     const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
     StoreKv(*s.kv, kv_layer_, ch.seq->blocks.data(), pos, row + k_off, row + v_off);
-  }
+  });
   s.timer->Mark(pf.rope_store);
 
   AttentionShape as{c.n_heads, c.n_kv_heads, hd, c.attention_sinks ? sinks_.data() : nullptr};
   const int items = T * c.n_kv_heads;
-#pragma omp parallel for num_threads(nthr) schedule(dynamic, 1) if (items > 1)
-  for (int it = 0; it < items; ++it) {
+  ParallelItems(items, nthr, [&](int it) {
     const int t = it / c.n_kv_heads, g = it % c.n_kv_heads;
     const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
     float* scratch = &s.attn_per_thread[s.attn_stride * omp_get_thread_num()];
     AttendGroup(*s.kv, kv_layer_, ch.seq->blocks.data(), rows.pos[t] + 1, &qkv[static_cast<size_t>(t) * qkv_n],
                 &attn[static_cast<size_t>(t) * q_dim], as, g, scratch);
-  }
+  });
   if (c.attn_output_gate) {
     for (int t = 0; t < T; ++t) {
       float* a = &attn[static_cast<size_t>(t) * q_dim];

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 
+#include "engine/kernels/parallel.h"
 #include "engine/layers/layer.h"
 
 namespace qkv {
@@ -154,9 +155,9 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   float* h = s.h;
   float* a = a_buf_.data();
 
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t)
+  ParallelRows(T, nthr, [&](int t) {
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &h[static_cast<size_t>(t) * H], H, eps);
+  });
   s.timer->Mark(pf.norms);
   s.Gemm(*a_, h, T, a);
   // Queries: through the low-rank path, or straight from the first GEMM (row stride a_n_).
@@ -175,8 +176,7 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   // The latent (normalized) and the rope key (rotated) into the cache; the rotated rope part of each
   // head's query beside its absorbed part.
   const RopeStyle style = RopeStyleOf(c_.arch);
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t) {
+  ParallelRows(T, nthr, [&](int t) {
     float* kv = a + static_cast<size_t>(t) * a_n_ + kv_off_;
     const int pos = rows.pos[t];
     RmsNorm(kv, kv_a_norm_.data(), kv, R, eps);
@@ -188,7 +188,7 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
       std::copy_n(q + t * q_stride + static_cast<size_t>(hh) * dk + dn, P, dst);
       if (P > 0) rope_->Apply(dst, pos, style);
     }
-  }
+  });
   s.timer->Mark(pf.rope_store);
 
   // Absorb: q_lat = W_UKᵀ q_nope, one GEMM per head over the step's rows (strided in and out), a head per
@@ -206,15 +206,14 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   // 1024 went 318-340 → 374 tok/s on a Zen 5). A head's result does not depend on its chunk.
   const int chunks = T >= nthr ? 1 : std::min(nh, std::max(nthr, 1));
   const int items = T * chunks;
-#pragma omp parallel for num_threads(nthr) schedule(dynamic, 1) if (items > 1)
-  for (int it = 0; it < items; ++it) {
+  ParallelItems(items, nthr, [&](int it) {
     const int t = it / chunks, k = it % chunks;
     const int h0 = nh * k / chunks, h1 = nh * (k + 1) / chunks;
     const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
     float* scratch = &s.attn_per_thread[s.attn_stride * omp_get_thread_num()];
     AttendLatent(*s.kv, kv_layer_, ch.seq->blocks.data(), rows.pos[t] + 1, &qm_[static_cast<size_t>(t) * nh * W],
                  &ol_[static_cast<size_t>(t) * nh * R], h0, h1 - h0, scale_, scratch);
-  }
+  });
   // Back out of latent space: o_h = W_UV o_lat per head.
 #pragma omp parallel for num_threads(nthr) schedule(dynamic, 1)
   for (int hh = 0; hh < nh; ++hh) {

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "engine/kernels/parallel.h"
 #include "engine/layers/layer.h"
 
 namespace qkv {
@@ -260,17 +261,16 @@ void MoeSwiGlu::Route(const float* logits, int* chosen, float* weights, float* p
 void MoeSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
   const int T = rows.T, H = hidden_, E = m_.n_experts, K = m_.n_used, F = m_.expert_ffn, nthr = s.n_threads;
   ForwardProfile& pf = *s.profile;
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t)
+  ParallelRows(T, nthr, [&](int t) {
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &s.h[static_cast<size_t>(t) * H], H, eps_);
+  });
   s.timer->Mark(pf.norms);
   s.Gemm(*router_, s.h, T, logits_.data());
-#pragma omp parallel for num_threads(nthr) if (T > 1)
-  for (int t = 0; t < T; ++t) {
+  ParallelRows(T, nthr, [&](int t) {
     float* r = &route_[static_cast<size_t>(t) * 2 * E];
     Route(&logits_[static_cast<size_t>(t) * E], &chosen_[static_cast<size_t>(t) * K],
           &weights_[static_cast<size_t>(t) * K], r, r + E, &route_idx_[static_cast<size_t>(t) * idx_stride_]);
-  }
+  });
   std::fill_n(acc_.begin(), static_cast<size_t>(T) * H, 0.0f);
   // Each expert over the tokens that chose it, in increasing expert index.
   for (int e = 0; e < (fused_ ? 0 : E); ++e) {
