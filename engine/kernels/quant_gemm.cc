@@ -570,26 +570,33 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
     const size_t rb = GgmlRowBytes(p.type, k), bb = GgmlBlockBytes(p.type), nb = rb / bb;
     int r = 0;
     // Whole panels first, where the type has a panel kernel and k is whole blocks.
-    if (HasPanelKernel(p.type) && k % GgmlBlockSize(p.type) == 0) {
+    if (HasPanelKernel(p.type) && k % GgmlBlockSize(p.type) == 0 && p.rows >= kPanelRows) {
+      const int np = p.rows / kPanelRows;
+      runs_.push_back({p.type, n_, n_ + np * kPanelRows, kPanelRows, off, rb * kPanelRows, 0});
       for (; r + kPanelRows <= p.rows; r += kPanelRows) {
         RepackPanel(p.type, p.data + rb * r, rb, k, &data_[off]);
-        for (int i = 0; i < kPanelRows; ++i) rows_.push_back({p.type, off, 0, n_ + r, true});
         off += rb * kPanelRows;
       }
     }
     // Whole groups of kInterleave: block b of row i of the group at (b × kInterleave + i) × bb.
-    for (; r + kInterleave <= p.rows; r += kInterleave) {
-      for (int i = 0; i < kInterleave; ++i) {
-        const uint8_t* src = p.data + rb * (r + i);
-        for (size_t b = 0; b < nb; ++b) std::memcpy(&data_[off + (b * kInterleave + i) * bb], src + b * bb, bb);
-        rows_.push_back({p.type, off + i * bb, kInterleave * bb, n_ + r, false});
+    if (r + kInterleave <= p.rows) {
+      const int ng = (p.rows - r) / kInterleave;
+      runs_.push_back(
+          {p.type, n_ + r, n_ + r + ng * kInterleave, kInterleave, off, rb * kInterleave, kInterleave * bb});
+      for (; r + kInterleave <= p.rows; r += kInterleave) {
+        for (int i = 0; i < kInterleave; ++i) {
+          const uint8_t* src = p.data + rb * (r + i);
+          for (size_t b = 0; b < nb; ++b) std::memcpy(&data_[off + (b * kInterleave + i) * bb], src + b * bb, bb);
+        }
+        off += rb * kInterleave;
       }
-      off += rb * kInterleave;
     }
-    for (; r < p.rows; ++r) {
-      std::memcpy(&data_[off], p.data + rb * r, rb);
-      rows_.push_back({p.type, off, bb, n_ + r, false});
-      off += rb;
+    if (r < p.rows) {
+      runs_.push_back({p.type, n_ + r, n_ + p.rows, 1, off, rb, bb});
+      for (; r < p.rows; ++r) {
+        std::memcpy(&data_[off], p.data + rb * r, rb);
+        off += rb;
+      }
     }
     n_ += p.rows;
   }
@@ -602,7 +609,7 @@ KernelIsa QuantWeights::Level() {
 
 std::string QuantWeights::types() const {
   std::vector<GgmlType> seen;
-  for (const Row& r : rows_)
+  for (const Run& r : runs_)
     if (std::find(seen.begin(), seen.end(), r.type) == seen.end()) seen.push_back(r.type);
   std::string s;
   for (GgmlType t : seen) {
@@ -613,7 +620,7 @@ std::string QuantWeights::types() const {
 }
 
 void QuantWeights::DequantizeRow(int r, float* dst) const {
-  const Row& row = rows_[r];
+  const Row row = At(r);
   const int bs = static_cast<int>(GgmlBlockSize(row.type));
   uint8_t blk[256];
   for (int b = 0; b < k_ / bs; ++b) {
@@ -635,18 +642,17 @@ void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, s
   const uint8_t* w[kRun];
   for (int c = c0; c < c1;) {
     int n = 0, first = c;  // out holds columns first .. first + n − 1
-    const GgmlType t = rows_[c].type;
-    if (rows_[c].panel) {
-      first = rows_[c].unit;
-      PanelDot(vnni, t, data_.data() + rows_[c].offset, k_, a, out.data(), kRun);
+    const Run& run = RunOf(c);
+    const GgmlType t = run.type;
+    if (run.stride == 0) {  // a panel
+      const Row row = At(c);
+      first = row.unit;
+      PanelDot(vnni, t, data_.data() + row.offset, k_, a, out.data(), kRun);
       n = std::min(c1, first + kPanelRows) - first;
     } else {
-      const size_t stride = rows_[c].stride;
-      while (c + n < c1 && n < kRun && !rows_[c + n].panel && rows_[c + n].type == t && rows_[c + n].stride == stride) {
-        w[n] = data_.data() + rows_[c + n].offset;
-        ++n;
-      }
-      Dot(vnni, t, w, stride, n, k_, a, out.data(), kRun);
+      n = std::min({c1, run.end, c + kRun}) - c;
+      for (int i = 0; i < n; ++i) w[i] = data_.data() + OffsetIn(run, c + i);
+      Dot(vnni, t, w, run.stride, n, k_, a, out.data(), kRun);
     }
     for (int r = 0; r < a.m; ++r) {
       float* yr = y + static_cast<size_t>(r) * ldy;
