@@ -202,6 +202,30 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     per_thread = std::max(per_thread, l->scratch_floats_per_thread(m->max_ctx_, opt.block_size));
   m->attn_scratch_stride_ = per_thread + 16;
   m->attn_scratch_.assign(m->attn_scratch_stride_ * opt.n_threads, 0);
+  // Steps of one token run in one parallel region (Layer::ForwardTeam) when every layer and the LM head
+  // can; QKV_TEAM_STEP=0 turns it off (to compare).
+  const char* team = std::getenv("QKV_TEAM_STEP");
+  m->team_step_ = !(team && std::strcmp(team, "0") == 0) && m->lm_head_->team_ready();
+  size_t team_floats = static_cast<size_t>(PaddedRows(1)) * c.hidden;
+  int widest_k = m->lm_head_->k();
+  bool any_quant = m->lm_head_->quantized() != nullptr;
+  for (const auto& l : m->layers_) {
+    m->team_step_ = m->team_step_ && l->team_ready();
+    team_floats = std::max(team_floats, l->team_floats());
+    l->ForEachLinear([&](const Linear& lin) {
+      widest_k = std::max(widest_k, lin.k());
+      any_quant = any_quant || lin.quantized();
+    });
+  }
+  if (m->team_step_) {
+    m->team_stride_ = (team_floats + 15) / 16 * 16;
+    m->team_rows_.assign(m->team_stride_ * opt.n_threads, 0);
+    if (any_quant) m->rt_->ThreadQuantizedRowsFor(kOwnQuantRows, widest_k);  // each thread's own rows
+    if (m->rt_->any_bf16_input()) m->rt_->ReserveOwnBf16(static_cast<size_t>(PaddedRows(kOwnQuantRows)) * widest_k);
+  }
+  spdlog::info("one-token steps: {}", m->team_step_ ? "one parallel region per step"
+                                                    : "a parallel region per layer phase (not every layer kind or "
+                                                      "GEMM has a team step, or QKV_TEAM_STEP=0)");
   m->tok_chunk_.resize(opt.max_batch_tokens);
   m->tok_pos_.resize(opt.max_batch_tokens);
   m->logit_src_.resize(opt.max_batch_tokens);
@@ -269,7 +293,7 @@ Status Model::LoadWeights(const GgufFile& f) {
 
 size_t Model::scratch_bytes() const {
   size_t n = 0;
-  for (const auto* v : {&x_, &h_, &qkv_, &attn_, &tmp_, &gu_, &act_, &logits_, &attn_scratch_})
+  for (const auto* v : {&x_, &h_, &qkv_, &attn_, &tmp_, &gu_, &act_, &logits_, &attn_scratch_, &team_rows_})
     n += v->capacity() * sizeof(float);
   n += in_lp_.capacity() * sizeof(uint16_t);
   for (const auto& l : layers_) n += l->scratch_bytes();
@@ -408,6 +432,24 @@ Status Model::Forward(std::span<const BatchChunk> batch, CacheStores& cache) {
   sc.n_threads = opt_.n_threads;
   sc.timer = &timer;
   sc.profile = &pf;
+  if (T == 1 && team_step_) {
+    // One token: the whole pass in one parallel region, each layer's phases separated by barriers.
+    sc.team_rows = team_rows_.data();
+    sc.team_stride = team_stride_;
+    TeamBarrier barrier;
+    sc.barrier = &barrier;
+#pragma omp parallel num_threads(opt_.n_threads)
+    {
+      for (const auto& layer : layers_) layer->ForwardTeam(x_.data(), rows_in, sc);
+      float* h = sc.TeamRows(omp_get_thread_num());
+      RmsNorm(x_.data(), final_norm_.data(), h, H, eps);
+      lm_head_->ForwardShare(h, 1, logits_.data(), [](int, int) {});
+    }
+    timer.Mark(pf.lm_head);
+    logits_rows_ = 1;
+    batch[0].seq->n_tokens += 1;
+    return {};
+  }
   for (const auto& layer : layers_) layer->Forward(x_.data(), rows_in, sc);
 
   // Final norm and LM head, only on the rows whose logits are wanted.

@@ -90,6 +90,8 @@ class Model {
   CacheSpec cache_spec() const;
   // Per mixture-of-experts block: its index and the tokens routed to each of its experts since load.
   std::vector<std::pair<int, std::vector<uint64_t>>> ExpertTokens() const;
+  // Whether a step of one token runs in one parallel region (Layer::ForwardTeam; QKV_TEAM_STEP=0: never).
+  bool team_step() const { return team_step_; }
   void set_profiling(bool on) {
     profiling_ = on;
     profile_ = {};
@@ -124,6 +126,9 @@ class Model {
   std::vector<uint16_t> in_lp_;
   std::vector<float> attn_scratch_;  // per thread
   size_t attn_scratch_stride_ = 0;
+  bool team_step_ = false;        // one-token steps run Layer::ForwardTeam in one parallel region
+  std::vector<float> team_rows_;  // per thread, team_stride_ floats (LayerScratch::team_rows)
+  size_t team_stride_ = 0;
   std::vector<int> tok_chunk_, tok_pos_, logit_src_;
   int logits_rows_ = 0;
   bool profiling_ = false;

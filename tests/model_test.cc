@@ -271,6 +271,62 @@ TEST(Model, FusedQuantizedExpertsKeepThePerExpertBits) {
   }
 }
 
+// A step of one token runs in one parallel region (Layer::ForwardTeam) where every layer and the LM head
+// can, and gives the bits of the per-layer regions (QKV_TEAM_STEP=0): attention with sinks, q/k norms and the
+// output gate, dense and fused quantized experts, quantized / oneDNN f32 / packed GEMMs, bf16 and int8 caches.
+TEST(Model, OneTokenStepsInOneRegionKeepTheBits) {
+  struct Case {
+    Arch arch;
+    const char* preset;  // nullptr: f32 weights
+    const char* gemm;    // QKV_GEMM
+  };
+  for (const Case& k : {Case{Arch::kQwen3, "Q8_0", "auto"}, Case{Arch::kQwen2, "Q4_K_M", "auto"},
+                        Case{Arch::kQwen3Moe, "Q4_K_M", "auto"}, Case{Arch::kQwen3Moe, nullptr, "auto"},
+                        Case{Arch::kLlama, nullptr, "auto"}, Case{Arch::kLlama, nullptr, "packed"}}) {
+    for (DType kv : {DType::kBF16, DType::kI8}) {
+      SCOPED_TRACE(std::string(ArchName(k.arch)) + " " + (k.preset ? k.preset : "f32") + " " + k.gemm + " kv " +
+                   DTypeName(kv));
+      ModelConfig cfg = testing::SmallConfig(k.arch);
+      cfg.attention_sinks = true;
+      if (k.arch == Arch::kQwen3) cfg.attn_output_gate = true;
+      if (k.preset) cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
+      if (k.arch == Arch::kQwen3Moe) cfg.moe.n_experts = 8, cfg.moe.n_used = 3, cfg.moe.expert_ffn = 256;
+      const std::string path =
+          ::testing::TempDir() + "/team_" + ArchName(k.arch) + (k.preset ? k.preset : "") + ".gguf";
+      RandomModelOptions ro;
+      if (k.preset) ro.preset = k.preset;
+      ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
+      setenv("QKV_GEMM", k.gemm, 1);
+      std::vector<float> out[2];
+      for (int team = 0; team < 2; ++team) {
+        if (team == 0) setenv("QKV_TEAM_STEP", "0", 1);
+        auto m = Load(path, DType::kF32, kv, 256, 64);
+        unsetenv("QKV_TEAM_STEP");
+        ASSERT_TRUE(m);
+        EXPECT_EQ(m->team_step(), team == 1);
+        SeqKv seq;
+        out[team] = Feed(*m, seq, Prompt(21, cfg.vocab), true);
+        for (int step = 0; step < 6; ++step) {  // past a 16-token block
+          const int next = ArgMax(&out[team][out[team].size() - cfg.vocab], cfg.vocab);
+          const std::vector<float> l = Feed(*m, seq, {next}, false);
+          out[team].insert(out[team].end(), l.begin(), l.end());
+        }
+        ReleaseAll(*m, seq);
+      }
+      unsetenv("QKV_GEMM");
+      ASSERT_EQ(out[0].size(), out[1].size());
+      EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0);
+    }
+  }
+  // Kinds without a team step (MLA, Gated DeltaNet) keep the per-layer regions.
+  for (Arch arch : {Arch::kDeepseek2, Arch::kQwen35}) {
+    auto m = Load(testing::WriteModel(testing::SmallConfig(arch), std::string("team_no_") + ArchName(arch)),
+                  DType::kF32, DType::kBF16);
+    ASSERT_TRUE(m);
+    EXPECT_FALSE(m->team_step()) << ArchName(arch);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest,
                          ::testing::Values(Arch::kLlama, Arch::kQwen2, Arch::kQwen3, Arch::kDeepseek2, Arch::kQwen3Moe,
                                            Arch::kQwen35),

@@ -121,6 +121,7 @@ int main(int argc, char** argv) {
   std::printf("gemm: cpu isa %s (own kernels %s); compute dtype %s; %s\n", qkv::GemmRuntime::CpuIsa().c_str(),
               qkv::KernelIsaName(qkv::ActiveKernelIsa()), qkv::DTypeName(m.compute_dtype()),
               m.gemm().Summary().c_str());
+  std::printf("one-token steps: %s\n", m.team_step() ? "one parallel region per step" : "a region per layer phase");
   for (const auto& k : m.gemm().KernelLog()) {
     if (k.rfind("M=1 ", 0) == 0 || k.rfind("M=128 ", 0) == 0) std::printf("  kernel %s\n", k.c_str());
   }

@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
   std::printf("gemm: cpu isa %s (own kernels %s); compute dtype %s; %s\n", qkv::GemmRuntime::CpuIsa().c_str(),
               qkv::KernelIsaName(qkv::ActiveKernelIsa()), qkv::DTypeName((*m)->compute_dtype()),
               (*m)->gemm().Summary().c_str());
+  std::printf("one-token steps: %s\n", (*m)->team_step() ? "one parallel region per step" : "a region per layer phase");
   qkv::EngineOptions eo;
   eo.max_num_batched_tokens = 512;
   eo.max_num_seqs = 64;

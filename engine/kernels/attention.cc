@@ -470,30 +470,28 @@ struct Avx512Kernels {
 // Within a block, keys are stored transposed ([head_dim][block_size]) so that the scores of a whole
 // block are block_size independent FMA chains over the dimensions (no horizontal sums); values are
 // stored row-major ([block_size][head_dim]) for the weighted sum.
-void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k, const float* v) {
+void StoreKvHead(KvCache& kv, int layer, const int* blocks, int pos, int h, const float* k, const float* v) {
   const KvCacheShape& s = kv.shape();
   const int block = blocks[pos / s.block_size];
   const int slot = pos % s.block_size;
+  uint8_t* kb = kv.K(layer, block, h);
+  uint8_t* vb = kv.V(layer, block, h);
   if (s.dtype == DType::kI8) {  // values, then the block's scales (kv_cache.h)
     const size_t scales = static_cast<size_t>(s.block_size) * s.head_dim;
-    for (int h = 0; h < s.n_kv_heads; ++h) {
-      uint8_t* kb = kv.K(layer, block, h);
-      uint8_t* vb = kv.V(layer, block, h);
-      QuantizeI8(k + h * s.head_dim, s.head_dim, reinterpret_cast<int8_t*>(kb) + slot, s.block_size,
-                 kb + scales + 2 * slot);
-      QuantizeI8(v + h * s.head_dim, s.head_dim, reinterpret_cast<int8_t*>(vb) + static_cast<size_t>(slot) * s.head_dim,
-                 1, vb + scales + 2 * slot);
-    }
+    QuantizeI8(k, s.head_dim, reinterpret_cast<int8_t*>(kb) + slot, s.block_size, kb + scales + 2 * slot);
+    QuantizeI8(v, s.head_dim, reinterpret_cast<int8_t*>(vb) + static_cast<size_t>(slot) * s.head_dim, 1,
+               vb + scales + 2 * slot);
     return;
   }
-  for (int h = 0; h < s.n_kv_heads; ++h) {
-    uint8_t* kb = kv.K(layer, block, h);
-    uint8_t* vb = kv.V(layer, block, h);
-    for (int d = 0; d < s.head_dim; ++d) {
-      Store(kb, static_cast<size_t>(d) * s.block_size + slot, k[h * s.head_dim + d], s.dtype);
-      Store(vb, static_cast<size_t>(slot) * s.head_dim + d, v[h * s.head_dim + d], s.dtype);
-    }
+  for (int d = 0; d < s.head_dim; ++d) {
+    Store(kb, static_cast<size_t>(d) * s.block_size + slot, k[d], s.dtype);
+    Store(vb, static_cast<size_t>(slot) * s.head_dim + d, v[d], s.dtype);
   }
+}
+
+void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k, const float* v) {
+  const int hd = kv.shape().head_dim;
+  for (int h = 0; h < kv.shape().n_kv_heads; ++h) StoreKvHead(kv, layer, blocks, pos, h, k + h * hd, v + h * hd);
 }
 
 size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size) {

@@ -45,6 +45,8 @@ struct AttentionShape {
 // Writes one token's rotated K row and its V row (each n_kv_heads * head_dim f32) at position pos, in the
 // cache's dtype (int8: quantized per kv head, K and V each with its own scale).
 void StoreKv(KvCache& kv, int layer, const int* blocks, int pos, const float* k, const float* v);
+// The same for kv head h alone (k, v: that head's head_dim values).
+void StoreKvHead(KvCache& kv, int layer, const int* blocks, int pos, int h, const float* k, const float* v);
 
 size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size);
 

@@ -96,6 +96,7 @@ GemmRuntime::GemmRuntime(int n_threads) : n_threads_(std::max(1, n_threads)), en
   scratch_.resize(n_threads_);
   out_.resize(n_threads_);
   thread_qrows_.resize(n_threads_);
+  own_bf16_.resize(n_threads_);
 }
 
 GemmRuntime::~GemmRuntime() = default;
@@ -468,6 +469,45 @@ void Linear::Forward(const void* x, int m, float* y) const {
       }
     }
   }
+}
+
+const void* Linear::PrepareShare(const float* x, int m, int t) const {
+  if (quant_) {
+    rt_->OwnQuantizedRows(t, m, k_).Quantize(x, 0, m);
+  } else if (!packed_ && dt_ == DType::kBF16) {
+    uint16_t* b = rt_->OwnBf16Rows(t, static_cast<size_t>(PaddedRows(m)) * k_);
+    F32ToBf16Bulk(x, b, static_cast<int64_t>(m) * k_);
+    return b;
+  }
+  return x;
+}
+
+std::pair<int, int> Linear::ComputeShare(int i, int t, const void* in, int m, float* y) const {
+  const auto* x = static_cast<const float*>(in);
+  const int nthr = rt_->n_threads();
+  if (quant_) {  // the same whole-unit slices as Forward
+    const int c0 = quant_->UnitStart(static_cast<int>(static_cast<int64_t>(n_) * i / nthr));
+    const int c1 = quant_->UnitStart(static_cast<int>(static_cast<int64_t>(n_) * (i + 1) / nthr));
+    quant_->Compute(rt_->OwnQuantizedRows(t, m, k_), c0, c1, y, n_);
+    return {c0, c1};
+  }
+  if (packed_) {
+    packed_->Compute(x, k_, m, panel_bounds_[i], panel_bounds_[i + 1], y, n_);
+    return {std::min(n_, panel_bounds_[i] * PackedWeights::kPanel),
+            std::min(n_, panel_bounds_[i + 1] * PackedWeights::kPanel)};
+  }
+  // oneDNN: m ≤ kOwnQuantRows rows are one call of the slice's bucket, into thread t's buffer.
+  const Slice& s = slices_[i];
+  const Slice::Bucket& bk = s.buckets[std::max(first_bucket_, BucketIndex(m))];
+  bk.src.set_data_handle(const_cast<void*>(in));
+  float* out = rt_->out(t);
+  bk.dst.set_data_handle(out);
+  bk.scratch.set_data_handle(rt_->scratch(t));
+  bk.p->prim.execute(rt_->stream(t), bk.args);
+  for (int r = 0; r < m; ++r) {
+    std::memcpy(y + static_cast<size_t>(r) * n_ + s.n0, out + static_cast<size_t>(r) * s.n, sizeof(float) * s.n);
+  }
+  return {s.n0, s.n0 + s.n};
 }
 
 }  // namespace qkv

@@ -22,6 +22,8 @@
 // for each shape, dtype and backend.
 #pragma once
 
+#include <omp.h>
+
 #include <atomic>
 #include <dnnl.hpp>
 #include <map>
@@ -84,6 +86,20 @@ class GemmRuntime {
     PublishStagingBytes();
     return qrows_;
   }
+  // Thread t's copy alone, sized by that thread (team steps); ThreadQuantizedRowsFor reserves them at load.
+  QuantizedRows& OwnQuantizedRows(int t, int rows, int cols) {
+    thread_qrows_[t].Resize(rows, cols);
+    return thread_qrows_[t];
+  }
+  // Thread t's bf16 copy of a step's rows for team steps (elems values), reserved by ReserveOwnBf16.
+  uint16_t* OwnBf16Rows(int t, size_t elems) {
+    if (own_bf16_[t].size() < elems) own_bf16_[t].resize(elems);
+    return own_bf16_[t].data();
+  }
+  void ReserveOwnBf16(size_t elems) {
+    for (auto& b : own_bf16_) b.resize(std::max(b.size(), elems));
+    PublishStagingBytes();
+  }
   // One copy per thread, for Linear::Forward's few-row (decode) path; sized here on the engine thread.
   QuantizedRows* ThreadQuantizedRowsFor(int rows, int cols) {
     for (auto& q : thread_qrows_) q.Resize(rows, cols);
@@ -140,12 +156,14 @@ class GemmRuntime {
   bool bf16_compute_ = false;
   QuantizedRows qrows_;
   std::vector<QuantizedRows> thread_qrows_;
+  std::vector<std::vector<uint16_t>> own_bf16_;
   std::vector<uint16_t> amx_rows_;
   std::atomic<size_t> staging_bytes_{0};
 
   void PublishStagingBytes() {
     size_t n = qrows_.bytes() + amx_rows_.capacity() * sizeof(uint16_t);
     for (const auto& q : thread_qrows_) n += q.bytes();
+    for (const auto& b : own_bf16_) n += b.capacity() * sizeof(uint16_t);
     staging_bytes_.store(n, std::memory_order_relaxed);
   }
 };
@@ -177,7 +195,30 @@ class Linear {
   // PaddedRows(m) rows; y: f32 with row stride n, m rows. Runs on all compute threads.
   void Forward(const void* x, int m, float* y) const;
 
+  // The decode step inside one parallel region (Model::Forward's team step): every thread of the team
+  // calls ForwardShare with the same x (f32, m ≤ kOwnQuantRows rows, row stride k, storage for
+  // PaddedRows(m) rows) and computes some of the columns of y, each column once across the team, with the
+  // bits of Forward; done(c0, c1) is called on the calling thread for each column range it wrote. No
+  // barrier: the caller synchronizes before any thread reads another's columns. On oneDNN's bf16 GEMM each
+  // thread rounds x to bf16 for itself. Every backend but AMX (team_ready).
+  bool team_ready() const { return !amx_; }
+  template <class Done>
+  void ForwardShare(const float* x, int m, float* y, const Done& done) const {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const void* in = PrepareShare(x, m, t);
+    const int shares = quant_ || packed_ ? rt_->n_threads() : static_cast<int>(slices_.size());
+    for (int i = t; i < shares; i += nt) {
+      const auto [c0, c1] = ComputeShare(i, t, in, m, y);
+      if (c1 > c0) done(c0, c1);
+    }
+  }
+
  private:
+  // x as the share's input on thread t: quantized into its own rows (quantized backend), rounded to bf16 into
+  // its own buffer (oneDNN bf16), or x itself.
+  const void* PrepareShare(const float* x, int m, int t) const;
+  // Share i of the columns (one per compute thread) on thread t's resources: the columns it wrote.
+  std::pair<int, int> ComputeShare(int i, int t, const void* in, int m, float* y) const;
   struct Slice {
     int n0 = 0, n = 0;
     dnnl::memory weights;

@@ -645,9 +645,8 @@ void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, s
     const Run& run = RunOf(c);
     const GgmlType t = run.type;
     if (run.stride == 0) {  // a panel
-      const Row row = At(c);
-      first = row.unit;
-      PanelDot(vnni, t, data_.data() + row.offset, k_, a, out.data(), kRun);
+      first = run.first + (c - run.first) / run.unit * run.unit;
+      PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, a, out.data(), kRun);
       n = std::min(c1, first + kPanelRows) - first;
     } else {
       n = std::min({c1, run.end, c + kRun}) - c;

@@ -1,4 +1,8 @@
 // The dense SwiGLU FFN: h = RMSNorm(x) → [g | u] = h·W_GUᵀ (gate and up fused) → x += (silu(g)·u)·W_downᵀ.
+#include <omp.h>
+
+#include <algorithm>
+
 #include "engine/kernels/parallel.h"
 #include "engine/layers/layer.h"
 
@@ -17,6 +21,9 @@ class DenseSwiGlu final : public Layer {
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+  bool team_ready() const override { return gate_up_->team_ready() && down_->team_ready(); }
+  size_t team_floats() const override { return static_cast<size_t>(PaddedRows(1)) * std::max(hidden_, ffn_); }
+  void ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) override;
 
  private:
   int hidden_ = 0, ffn_ = 0;
@@ -60,6 +67,26 @@ void DenseSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s)
   s.Gemm(*down_, s.act, T, s.tmp);
   AddInPlace(x, s.tmp, T * H);
   s.timer->Mark(pf.ffn_down);
+}
+
+// One token, every thread of the team: each thread normalizes the row and computes its share of the gate/up
+// columns; after a barrier each computes the whole SiLU product for itself (the down share reads all of
+// it) and adds its share of the down columns to x.
+void DenseSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScratch& s) {
+  const int H = hidden_, F = ffn_, me = omp_get_thread_num();
+  ForwardProfile& pf = *s.profile;
+  PhaseTimer* timer = me == 0 ? s.timer : nullptr;
+  float* own = s.TeamRows(me);
+  RmsNorm(x, norm_.data(), own, H, eps_);
+  if (timer) timer->Mark(pf.norms);
+  gate_up_->ForwardShare(own, 1, s.gu, [](int, int) {});
+  s.Barrier();
+  if (timer) timer->Mark(pf.ffn_up);
+  SiluMul(s.gu, s.gu + F, own, F);
+  if (timer) timer->Mark(pf.ffn_act);
+  down_->ForwardShare(own, 1, s.tmp, [&](int c0, int c1) { AddInPlace(x + c0, s.tmp + c0, c1 - c0); });
+  s.Barrier();
+  if (timer) timer->Mark(pf.ffn_down);
 }
 
 }  // namespace

@@ -31,6 +31,9 @@ class GqaAttention final : public Layer {
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+  bool team_ready() const override { return qkv_->team_ready() && o_->team_ready(); }
+  size_t team_floats() const override { return static_cast<size_t>(PaddedRows(1)) * c_.hidden; }
+  void ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) override;
 
  private:
   ModelConfig c_;
@@ -154,6 +157,55 @@ void GqaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   s.Gemm(*o_, attn, T, s.tmp);
   AddInPlace(x, s.tmp, T * H);
   s.timer->Mark(pf.o);
+}
+
+// One token, every thread of the team: each thread normalizes the row for itself and computes its share
+// of the QKV columns; after a barrier, one work item per kv head does that group's q/k norm and RoPE,
+// stores the head's K/V and attends (no other item reads them); after the loop's barrier, each thread
+// adds its share of the o projection to x. The same operations on the same values as Forward.
+void GqaAttention::ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) {
+  const ModelConfig& c = c_;
+  const int H = c.hidden, hd = c.head_dim, q_dim = c.q_dim(), kv_dim = c.kv_dim();
+  const int k_off = q_dim * (c.attn_output_gate ? 2 : 1), v_off = k_off + kv_dim;
+  const int group = c.n_heads / c.n_kv_heads, me = omp_get_thread_num();
+  const float eps = static_cast<float>(c.rms_eps);
+  const RopeStyle style = RopeStyleOf(c.arch);
+  ForwardProfile& pf = *s.profile;
+  PhaseTimer* timer = me == 0 ? s.timer : nullptr;
+  float* h = s.TeamRows(me);
+  float* qkv = s.qkv;
+  float* attn = s.attn;
+  RmsNorm(x, norm_.data(), h, H, eps);
+  if (timer) timer->Mark(pf.norms);
+  qkv_->ForwardShare(h, 1, qkv, [](int, int) {});
+  s.Barrier();
+  if (timer) timer->Mark(pf.qkv);
+  const int pos = rows.pos[0];
+  const int* blocks = rows.batch[rows.chunk_of[0]].seq->blocks.data();
+  const AttentionShape as{c.n_heads, c.n_kv_heads, hd, c.attention_sinks ? sinks_.data() : nullptr};
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int g = 0; g < c.n_kv_heads; ++g) {
+    for (int hh = g * group; hh < (g + 1) * group; ++hh) {
+      float* q = qkv + hh * hd;
+      if (c.qk_norm) RmsNorm(q, q_norm_.data(), q, hd, eps);
+      if (c.rotary_dim > 0) rope_->Apply(q, pos, style);
+    }
+    float* k = qkv + k_off + g * hd;
+    if (c.qk_norm) RmsNorm(k, k_norm_.data(), k, hd, eps);
+    if (c.rotary_dim > 0) rope_->Apply(k, pos, style);
+    StoreKvHead(*s.kv, kv_layer_, blocks, pos, g, k, qkv + v_off + g * hd);
+    float* scratch = &s.attn_per_thread[s.attn_stride * me];
+    AttendGroup(*s.kv, kv_layer_, blocks, pos + 1, qkv, attn, as, g, scratch);
+    if (c.attn_output_gate) {
+      const float* gt = qkv + q_dim;
+      for (int i = g * group * hd; i < (g + 1) * group * hd; ++i) attn[i] *= 1.0f / (1.0f + FastExp(-gt[i]));
+    }
+  }
+  s.Barrier();
+  if (timer) timer->Mark(pf.attention);
+  o_->ForwardShare(attn, 1, s.tmp, [&](int c0, int c1) { AddInPlace(x + c0, s.tmp + c0, c1 - c0); });
+  s.Barrier();
+  if (timer) timer->Mark(pf.o);
 }
 
 }  // namespace

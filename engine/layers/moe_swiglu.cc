@@ -85,6 +85,19 @@ class MoeSwiGlu final : public Layer {
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+  // The spread path without shared experts: one token's routed experts inside the step's team.
+  bool team_ready() const override {
+    if (sh_gate_up_ || !router_->team_ready() || team_.empty()) return false;
+    if (fused_) return spread_slots_ >= m_.n_used;
+    const auto K = static_cast<size_t>(m_.n_used);
+    if (gu_.size() < K * 2 * m_.expert_ffn || y_.size() < K * hidden_) return false;
+    for (size_t e = 0; e < gate_up_.size(); ++e) {
+      if (!gate_up_[e]->team_ready() || !down_[e]->team_ready()) return false;
+    }
+    return true;
+  }
+  size_t team_floats() const override { return static_cast<size_t>(PaddedRows(1)) * std::max(hidden_, m_.expert_ffn); }
+  void ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) override;
 
  private:
   // One token's routing: chosen experts (top-k, in the order of selection) and their weights. prob, sel:
@@ -124,6 +137,17 @@ class MoeSwiGlu final : public Layer {
   QuantizedRows saq_;
   int idx_stride_ = 0;
   std::vector<uint64_t> routed_;  // tokens routed to each expert
+  // Per thread, for ForwardTeam: the token's routing, computed by every thread for itself.
+  struct TeamRoute {
+    std::vector<int> chosen, idx, active_k;  // active_k[a]: the k of the a-th expert in increasing index
+    std::vector<float> weights, route;
+  };
+  std::vector<TeamRoute> team_;
+  // ForwardTeam's experts on GEMMs that are not fused (h: the thread's normalized row, then its SiLU products).
+  void ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerScratch& s);
+  // The thread's share of x's columns += Σ over the token's experts in increasing index (expert a's output
+  // in row a of ys, rows of H) of weight · output, summed from zero as Forward sums them.
+  void AddExpertOutputs(float* x, const float* ys, const TeamRoute& r);
 };
 
 StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
@@ -194,6 +218,14 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
     std::iota(L->seq_.begin(), L->seq_.end(), 0);
     L->active_.assign(static_cast<size_t>(E), 0);
     L->saq_.Resize(S, F);
+  }
+  L->team_.resize(static_cast<size_t>(in.gemm.n_threads()));
+  for (TeamRoute& r : L->team_) {
+    r.chosen.assign(static_cast<size_t>(m.n_used), 0);
+    r.active_k.assign(static_cast<size_t>(m.n_used), 0);
+    r.weights.assign(static_cast<size_t>(m.n_used), 0);
+    r.route.assign(static_cast<size_t>(2 * E), 0);
+    r.idx.assign(static_cast<size_t>(std::max(E, m.n_groups)), 0);
   }
   L->route_.assign(rows * 2 * E, 0);
   L->idx_stride_ = std::max(E, m.n_groups);
@@ -446,6 +478,106 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
       }
     }
   }
+}
+
+// One token, every thread of the team (what Forward and ExpertsSpread compute, with the same bits): each
+// thread normalizes the row, computes its share of the router, and after a barrier routes the token for
+// itself (every thread gets the same experts); then the active experts' gate/up blocks, their down
+// columns and the output columns are shared as in ExpertsSpread, with a barrier after each.
+void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScratch& s) {
+  const int H = hidden_, E = m_.n_experts, K = m_.n_used, F = m_.expert_ffn, nb = F / 32;
+  const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+  ForwardProfile& pf = *s.profile;
+  PhaseTimer* timer = me == 0 ? s.timer : nullptr;
+  float* h = s.TeamRows(me);
+  RmsNorm(x, norm_.data(), h, H, eps_);
+  if (timer) timer->Mark(pf.norms);
+  router_->ForwardShare(h, 1, logits_.data(), [](int, int) {});
+  if (fused_) hq_own_[static_cast<size_t>(me)].Quantize(h, 0, 1);
+  s.Barrier();
+  TeamRoute& r = team_[static_cast<size_t>(me)];
+  Route(logits_.data(), r.chosen.data(), r.weights.data(), r.route.data(), r.route.data() + E, r.idx.data());
+  // The chosen experts in increasing index (top-k picks each at most once).
+  for (int k = 0; k < K; ++k) {
+    int a = k;
+    while (a > 0 && r.chosen[r.active_k[a - 1]] > r.chosen[k]) {
+      r.active_k[a] = r.active_k[a - 1];
+      --a;
+    }
+    r.active_k[a] = k;
+  }
+  if (me == 0) {
+    for (int k = 0; k < K; ++k) ++routed_[r.chosen[k]];
+  }
+  if (!fused_) return ExpertsTeam(x, h, r, s);
+  QuantizedRows& hq = hq_own_[static_cast<size_t>(me)];
+  // Gate/up: the 32-column blocks of the K experts end to end; expert a's product lands in slot a.
+  {
+    const int64_t g0 = int64_t{K} * nb * me / nt, g1 = int64_t{K} * nb * (me + 1) / nt;
+    for (int64_t a = g0 / nb; a < K && a * nb < g1; ++a) {
+      const int e = r.chosen[r.active_k[a]];
+      const int c0 = static_cast<int>(std::max(g0, a * nb) - a * nb) * 32;
+      const int c1 = static_cast<int>(std::min(g1, (a + 1) * nb) - a * nb) * 32;
+      if (c0 == c1) continue;
+      GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{&hq, seq_.data(), 1}, c0, c1,
+                  &sgu_[static_cast<size_t>(a) * 2 * F], sact_.data(), saq_, static_cast<int>(a));
+    }
+  }
+  s.Barrier();
+  if (timer) timer->Mark(pf.ffn_up);
+  // Down: the K experts' H output columns end to end, cut on unit starts.
+  {
+    const int64_t g0 = int64_t{K} * H * me / nt, g1 = int64_t{K} * H * (me + 1) / nt;
+    for (int64_t a = g0 / H; a < K && a * H < g1; ++a) {
+      const QuantWeights& dn = *down_[r.chosen[r.active_k[a]]]->quantized();
+      const int c0 = dn.UnitStart(static_cast<int>(std::max(g0, a * H) - a * H));
+      const int c1 = dn.UnitStart(static_cast<int>(std::min(g1, (a + 1) * H) - a * H));
+      if (c0 == c1) continue;
+      dn.Compute(QuantizedRowSet{&saq_, &seq_[static_cast<size_t>(a)], 1}, c0, c1, &sy_[static_cast<size_t>(a) * H], H);
+    }
+  }
+  s.Barrier();
+  AddExpertOutputs(x, sy_.data(), r);
+  s.Barrier();
+  if (timer) timer->Mark(pf.ffn_down);
+}
+
+// The experts of ForwardTeam on GEMMs of another kind (bf16, f32): each thread computes its share of every
+// chosen expert's gate/up columns (expert a's in gu_ row a); after a barrier, each expert's SiLU product for
+// itself and its share of the expert's down columns (into y_ row a); after a barrier, its output columns as
+// Forward adds them (experts in increasing index, from zero).
+void MoeSwiGlu::ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerScratch& s) {
+  const int H = hidden_, K = m_.n_used, F = m_.expert_ffn;
+  const int me = omp_get_thread_num();
+  ForwardProfile& pf = *s.profile;
+  PhaseTimer* timer = me == 0 ? s.timer : nullptr;
+  for (int a = 0; a < K; ++a) {
+    gate_up_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &gu_[static_cast<size_t>(a) * 2 * F], [](int, int) {});
+  }
+  s.Barrier();
+  if (timer) timer->Mark(pf.ffn_up);
+  for (int a = 0; a < K; ++a) {  // h is the SiLU product from here on
+    const float* g = &gu_[static_cast<size_t>(a) * 2 * F];
+    SiluMul(g, g + F, h, F);
+    down_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &y_[static_cast<size_t>(a) * H], [](int, int) {});
+  }
+  s.Barrier();
+  AddExpertOutputs(x, y_.data(), r);
+  s.Barrier();
+  if (timer) timer->Mark(pf.ffn_down);
+}
+
+void MoeSwiGlu::AddExpertOutputs(float* x, const float* ys, const TeamRoute& r) {
+  const int H = hidden_, me = omp_get_thread_num(), nt = omp_get_num_threads();
+  const int d0 = H * me / nt, d1 = H * (me + 1) / nt;
+  float* acc = &acc_[static_cast<size_t>(d0)];
+  std::fill(acc, acc + (d1 - d0), 0.0f);
+  for (int a = 0; a < m_.n_used; ++a) {
+    const float w = r.weights[r.active_k[a]];
+    const float* y = ys + static_cast<size_t>(a) * H + d0;
+    for (int d = 0; d < d1 - d0; ++d) acc[d] = std::fma(w, y[d], acc[d]);
+  }
+  AddInPlace(x + d0, acc, d1 - d0);
 }
 
 }  // namespace
