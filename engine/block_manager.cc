@@ -126,7 +126,10 @@ Status ReserveBlocks(SeqKv& seq, int n_tokens, int block_size, KvBlockPool& pool
 }
 
 void ReleaseBlocks(SeqKv& seq, KvBlockPool& pool) {
-  for (int b : seq.blocks) pool.Unref(b);
+  // Last block first: the free list is a stack, so the next sequence gets these blocks back in ascending
+  // order (runs of consecutive blocks are one stream per kv head for decode attention, kv_cache.h), and a
+  // cached prefix chain is evicted from its tail, which keeps its head usable longest.
+  for (auto it = seq.blocks.rbegin(); it != seq.blocks.rend(); ++it) pool.Unref(*it);
   seq.blocks.clear();
   seq.n_tokens = 0;
 }

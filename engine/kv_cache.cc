@@ -34,11 +34,11 @@ KvCache::~KvCache() {
 }
 
 void KvCache::CopyBlock(int src, int dst) {
-  const size_t nk = static_cast<size_t>(shape_.n_kv_heads) * k_stride_;
-  const size_t nv = static_cast<size_t>(shape_.n_kv_heads) * v_stride_;
   for (int l = 0; l < shape_.n_layers; ++l) {
-    std::memcpy(K(l, dst, 0), K(l, src, 0), nk);
-    std::memcpy(V(l, dst, 0), V(l, src, 0), nv);
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      std::memcpy(K(l, dst, h), K(l, src, h), k_stride_);
+      std::memcpy(V(l, dst, h), V(l, src, h), v_stride_);
+    }
   }
 }
 

@@ -5,13 +5,17 @@
 //
 // The KV arena: K and V of every layer, cut into blocks of block_size token slots.
 //
-// Layout of each of K and V: [layer][block][kv_head][one head's region], so one kv head's keys inside a
-// block are contiguous. The two planes may have different widths (v_dim): MLA keeps its normalized latent
-// in the K plane (kv_lora_rank) and its shared rope key in the V plane (qk_rope_dim), one "head". The attention kernel
-// (kernels/attention.h) decides the order inside a region (keys transposed, values row-major). An int8 region holds the
-// block_size × head_dim int8 values, then block_size bf16 scales: one per token (per layer, kv head, and K or V),
-// symmetric, value = q × scale. A sequence addresses its tokens through a SeqKv (its block ids in position order):
-// position p lives in block blocks[p / block_size], slot p % block_size.
+// Layout of each of K and V: [layer][kv_head][block][one head's region], so one kv head's keys inside a
+// block are contiguous, and so are a kv head's regions of consecutive blocks: decode attention reads one
+// kv head of one layer at a time, and a sequence whose blocks are consecutive (the pool hands them out in
+// ascending order) is then one stream the hardware prefetcher follows (with [layer][block][kv_head] it
+// was 2 KiB pieces 8 KiB apart: MoE benchmark decode at 1536 tokens of context +6-8%).
+// The two planes may have different widths (v_dim): MLA keeps its normalized latent in the K plane (kv_lora_rank) and
+// its shared rope key in the V plane (qk_rope_dim), one "head". The attention kernel (kernels/attention.h) decides the
+// order inside a region (keys transposed, values row-major). An int8 region holds the block_size × head_dim int8
+// values, then block_size bf16 scales: one per token (per layer, kv head, and K or V), symmetric, value = q × scale. A
+// sequence addresses its tokens through a SeqKv (its block ids in position order): position p lives in block blocks[p /
+// block_size], slot p % block_size.
 //
 // This is the paged token store of the layer kinds that cache per token (layers/layer.h): each such layer
 // was handed one arena layer at load. The arena is allocated and touched once at start-up. This class only
@@ -74,7 +78,7 @@ class KvCache {
  private:
   KvCache() = default;
   size_t Offset(int layer, int block, int head, size_t stride) const {
-    return ((static_cast<size_t>(layer) * shape_.n_blocks + block) * shape_.n_kv_heads + head) * stride;
+    return ((static_cast<size_t>(layer) * shape_.n_kv_heads + head) * shape_.n_blocks + block) * stride;
   }
   KvCacheShape shape_;
   size_t k_stride_ = 0, v_stride_ = 0;  // bytes of one head's slots in a block, per plane

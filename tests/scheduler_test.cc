@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <vector>
 
 namespace qkv {
 namespace {
@@ -47,6 +48,55 @@ TEST(StateStore, HandsOutZeroedSlotsUntilFull) {
   const int c = st.Allocate();
   EXPECT_EQ(c, a);
   for (int i = 0; i < 16; ++i) EXPECT_EQ(st.Slot(c)[i], 0) << "byte " << i << " of a reused slot";
+}
+
+TEST(KvCache, RegionsAreDisjointAndAKvHeadsBlocksAreContiguous) {
+  KvCacheShape s;
+  s.n_layers = 2;
+  s.n_kv_heads = 3;
+  s.head_dim = 4;
+  s.block_size = 4;
+  s.n_blocks = 5;
+  s.dtype = DType::kF32;
+  auto kv = KvCache::Create(s);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  KvCache& c = **kv;
+  const size_t region = 4 * 4 * sizeof(float);
+  auto tag = [](int plane, int l, int b, int h) { return static_cast<uint8_t>(1 + plane * 60 + l * 30 + b * 6 + h); };
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 3; ++h)
+      for (int b = 0; b < 5; ++b) {
+        // Decode attention streams one kv head of one layer: its consecutive blocks must be adjacent.
+        if (b > 0) {
+          EXPECT_EQ(c.K(l, b, h), c.K(l, b - 1, h) + region) << "layer " << l << " head " << h;
+          EXPECT_EQ(c.V(l, b, h), c.V(l, b - 1, h) + region) << "layer " << l << " head " << h;
+        }
+        std::memset(c.K(l, b, h), tag(0, l, b, h), region);
+        std::memset(c.V(l, b, h), tag(1, l, b, h), region);
+      }
+  c.CopyBlock(1, 3);
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 3; ++h)
+      for (int b = 0; b < 5; ++b) {
+        const int from = b == 3 ? 1 : b;  // block 3 now holds block 1's K and V, every layer and head
+        for (size_t i = 0; i < region; ++i) {
+          ASSERT_EQ(c.K(l, b, h)[i], tag(0, l, from, h)) << "K layer " << l << " block " << b << " head " << h;
+          ASSERT_EQ(c.V(l, b, h)[i], tag(1, l, from, h)) << "V layer " << l << " block " << b << " head " << h;
+        }
+      }
+}
+
+TEST(KvBlockPool, ReleasedBlocksComeBackInAscendingOrder) {
+  KvBlockPool pool(16, 4);
+  SeqKv a, b, c;
+  ASSERT_TRUE(ReserveBlocks(a, 20, 4, pool).ok());
+  ASSERT_TRUE(ReserveBlocks(b, 12, 4, pool).ok());
+  EXPECT_EQ(a.blocks, (std::vector<int>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(b.blocks, (std::vector<int>{5, 6, 7}));
+  ReleaseBlocks(a, pool);
+  ASSERT_TRUE(ReserveBlocks(c, 20, 4, pool).ok());
+  EXPECT_EQ(c.blocks, (std::vector<int>{0, 1, 2, 3, 4})) << "a run of consecutive blocks streams in decode attention";
+  EXPECT_EQ(pool.CheckInvariants(), "");
 }
 
 TEST(CacheStores, SizesFollowTheLayout) {

@@ -501,9 +501,10 @@ size_t AttentionScratchFloats(int group, int n_ctx, int head_dim, int block_size
 
 namespace {
 
-// Blocks of a sequence lie anywhere in the arena, and a kv head's share of a block is 2 KiB at bf16 / head_dim
-// 64, too short for the hardware prefetcher to find the stream: decode read K/V at ~9 GB/s, stalled on the
-// loads. Each block's K (pass 1) and V (pass 2) are asked for kKvAhead blocks before they are used.
+// A sequence's blocks need not be consecutive (a kv head's regions of consecutive blocks are adjacent,
+// kv_cache.h, and then the hardware prefetcher follows them), and a kv head's share of one block is 2 KiB at
+// bf16 / head_dim 64, too short for the prefetcher to find a new stream: decode read K/V at ~9 GB/s, stalled
+// on the loads. Each block's K (pass 1) and V (pass 2) are asked for kKvAhead blocks before they are used.
 constexpr int kKvAhead = 2;
 inline void PrefetchBytes(const uint8_t* p, size_t n) {
   for (size_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
