@@ -473,8 +473,11 @@ void Linear::Forward(const void* x, int m, float* y) const {
 
 const void* Linear::PrepareShare(const float* x, int m, int t) const {
   if (quant_) {
-    rt_->OwnQuantizedRows(t, m, k_).Quantize(x, 0, m);
-  } else if (!packed_ && dt_ == DType::kBF16) {
+    QuantizedRows& q = rt_->OwnQuantizedRows(t, m, k_);
+    q.Quantize(x, 0, m);
+    return &q;
+  }
+  if (!packed_ && dt_ == DType::kBF16) {
     uint16_t* b = rt_->OwnBf16Rows(t, static_cast<size_t>(PaddedRows(m)) * k_);
     F32ToBf16Bulk(x, b, static_cast<int64_t>(m) * k_);
     return b;
@@ -488,7 +491,7 @@ std::pair<int, int> Linear::ComputeShare(int i, int t, const void* in, int m, fl
   if (quant_) {  // the same whole-unit slices as Forward
     const int c0 = quant_->UnitStart(static_cast<int>(static_cast<int64_t>(n_) * i / nthr));
     const int c1 = quant_->UnitStart(static_cast<int>(static_cast<int64_t>(n_) * (i + 1) / nthr));
-    quant_->Compute(rt_->OwnQuantizedRows(t, m, k_), c0, c1, y, n_);
+    quant_->Compute(*static_cast<const QuantizedRows*>(in), c0, c1, y, n_);
     return {c0, c1};
   }
   if (packed_) {

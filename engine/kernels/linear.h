@@ -214,8 +214,8 @@ class Linear {
   }
 
  private:
-  // x as the share's input on thread t: quantized into its own rows (quantized backend), rounded to bf16 into
-  // its own buffer (oneDNN bf16), or x itself.
+  // x as the share's input on thread t: its own QuantizedRows holding x quantized (quantized backend), its
+  // own buffer holding x rounded to bf16 (oneDNN bf16), or x itself.
   const void* PrepareShare(const float* x, int m, int t) const;
   // Share i of the columns (one per compute thread) on thread t's resources: the columns it wrote.
   std::pair<int, int> ComputeShare(int i, int t, const void* in, int m, float* y) const;
