@@ -9,7 +9,7 @@
 // block are contiguous, and so are a kv head's regions of consecutive blocks: decode attention reads one
 // kv head of one layer at a time, and a sequence whose blocks are consecutive (the pool hands them out in
 // ascending order) is then one stream the hardware prefetcher follows (with [layer][block][kv_head] it
-// was 2 KiB pieces 8 KiB apart: MoE benchmark decode at 1536 tokens of context +6-8%).
+// was 2 KiB pieces 8 KiB apart; docs/performance.md, "KV layout").
 // The two planes may have different widths (v_dim): MLA keeps its normalized latent in the K plane (kv_lora_rank) and
 // its shared rope key in the V plane (qk_rope_dim), one "head". The attention kernel (kernels/attention.h) decides the
 // order inside a region (keys transposed, values row-major). An int8 region holds the block_size × head_dim int8
