@@ -84,6 +84,13 @@ class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     return s.ok() ? Drain(*s) : Result{};
   }
+  // Stats() is a snapshot the engine publishes at a rate limit that grows on a loaded machine; a test reads
+  // it through the engine thread, which publishes it first (bare Stats() reads made tests flaky under
+  // ctest -j2: a stale snapshot from before the eviction or copy being checked).
+  EngineStats CurrentStats() {
+    engine_->RunOnEngineThread([] {});
+    return engine_->Stats();
+  }
   std::vector<int> Prompt(int n, int salt) {
     std::vector<int> t;
     for (int i = 0; i < n; ++i) t.push_back((i * 31 + salt * 17 + 3) % cfg_.vocab);
@@ -125,10 +132,9 @@ TEST_P(EngineTest, BatchInvariance) {
     EXPECT_GT(together.final.usage.cached_tokens, 0) << "the second run should hit the prefix cache";
   }
   EXPECT_EQ(engine_->CheckConsistency(), "");
-  engine_->RunOnEngineThread([] {});  // publishes Stats()
-  EXPECT_GT(engine_->Stats().prefix_hits_tokens, 0u);
+  EXPECT_GT(CurrentStats().prefix_hits_tokens, 0u);
   if (keeps_state()) {
-    EXPECT_GT(engine_->Stats().state_snapshots, 0);
+    EXPECT_GT(CurrentStats().state_snapshots, 0);
   }
 }
 
@@ -172,8 +178,7 @@ TEST_P(EngineTest, SessionEquivalenceAndAccounting) {
   }
   EXPECT_EQ(engine_->CheckConsistency(), "");
   ASSERT_TRUE(engine_->CloseSession("", "chat").ok());
-  engine_->RunOnEngineThread([] {});
-  EXPECT_EQ(engine_->Stats().blocks_used, 0);
+  EXPECT_EQ(CurrentStats().blocks_used, 0);
 }
 
 TEST_P(EngineTest, CancelledTurnLeavesTheSessionAsItWas) {
@@ -230,10 +235,7 @@ TEST_P(EngineTest, ForkSharesBlocksCopyOnWrite) {
   ASSERT_TRUE(fork.ok());
   EXPECT_EQ(fork->affinity_key, "p");
   auto parent = engine_->GetSession("", "p", true);
-  // Stats() is published at a rate limit that grows on a loaded machine: read it through the engine
-  // thread (a stale snapshot made this test flaky under ASan with ctest -j2).
-  engine_->RunOnEngineThread([] {});
-  const int64_t used_before = engine_->Stats().blocks_used;
+  const int64_t used_before = CurrentStats().blocks_used;
   const Result a = Run(Greedy(Prompt(5, 2), 6, "c"));
   const Result b = Run(Greedy(Prompt(5, 3), 6, "p"));
   std::vector<int> fa = parent->tokens, fb = parent->tokens;
@@ -242,13 +244,11 @@ TEST_P(EngineTest, ForkSharesBlocksCopyOnWrite) {
   fb.insert(fb.end(), pb.begin(), pb.end());
   EXPECT_EQ(a.tokens, Run(Greedy(fa, 6)).tokens);
   EXPECT_EQ(b.tokens, Run(Greedy(fb, 6)).tokens);
-  engine_->RunOnEngineThread([] {});
-  EXPECT_GT(engine_->Stats().blocks_used, used_before);  // the partial block was copied, not shared for writing
+  EXPECT_GT(CurrentStats().blocks_used, used_before);  // the partial block was copied, not shared for writing
   EXPECT_EQ(engine_->CheckConsistency(), "");
   ASSERT_TRUE(engine_->CloseSession("", "c").ok());
   ASSERT_TRUE(engine_->CloseSession("", "p").ok());
-  engine_->RunOnEngineThread([] {});
-  EXPECT_EQ(engine_->Stats().blocks_used, 0);
+  EXPECT_EQ(CurrentStats().blocks_used, 0);
 }
 
 // Truncating a session and continuing gives what a fresh request over the kept history gives.
@@ -468,7 +468,7 @@ TEST_P(EngineTest, StateSlotsEvictIdleSessions) {
     full.insert(full.end(), p.begin(), p.end());
     EXPECT_EQ(Run(Greedy(p, 5, sid)).tokens, Run(Greedy(full, 5)).tokens) << sid;
   }
-  const EngineStats st = engine_->Stats();
+  const EngineStats st = CurrentStats();
   if (keeps_state()) {
     EXPECT_EQ(st.state_slots_used + st.state_slots_free, 2);
     EXPECT_LE(st.state_slots_used, 2);
@@ -584,7 +584,7 @@ TEST_P(EngineTest, PressureEvictsSessionsThenPreemptsWithoutChangingOutputs) {
     st.push_back(*r);
   }
   for (int k = 0; k < 6; ++k) EXPECT_EQ(Drain(st[k]).tokens, solo[k]) << k;
-  const EngineStats s = engine_->Stats();
+  const EngineStats s = CurrentStats();
   EXPECT_GT(s.session_evictions_memory, 0u);
   EXPECT_GT(s.preemptions, 0u);
   auto info = engine_->GetSession("", "idle", false);
@@ -657,9 +657,8 @@ TEST_P(EngineTest, RandomizedStress) {
   }
   for (auto& l : live) Drain(l.s);
   for (const auto& id : sessions) (void)engine_->CloseSession("", id);
-  engine_->RunOnEngineThread([] {});
   EXPECT_EQ(engine_->CheckConsistency(), "");
-  EXPECT_EQ(engine_->Stats().blocks_used, 0);
+  EXPECT_EQ(CurrentStats().blocks_used, 0);
   EXPECT_GT(finished_checked, 50);
 }
 
@@ -699,9 +698,8 @@ TEST_P(EngineTest, BusySessionReportsItsHistoryAndBlocks) {
     EXPECT_EQ(list[0].n_tokens, 100);
   }
   EXPECT_GE(list[0].resident_blocks, idle->resident_blocks);
-  engine_->RunOnEngineThread([] {});
-  EXPECT_GE(engine_->Stats().session_kv_bytes, idle->resident_bytes);
-  EXPECT_EQ(engine_->Stats().sessions_resident, 1);
+  EXPECT_GE(CurrentStats().session_kv_bytes, idle->resident_bytes);
+  EXPECT_EQ(CurrentStats().sessions_resident, 1);
   (*st)->Cancel();
   const Result r = Drain(*st);
   auto after = engine_->GetSession("", "busy", true);
@@ -722,8 +720,7 @@ TEST_P(EngineTest, IdleSessionsPastTheirTtlAreClosed) {
   engine_->RunOnEngineThread([] {});
   EXPECT_EQ(engine_->GetSession("", "short", false).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(engine_->GetSession("", "long", false).ok());
-  engine_->RunOnEngineThread([] {});  // publishes Stats()
-  EXPECT_EQ(engine_->Stats().session_evictions_ttl, 1u);
+  EXPECT_EQ(CurrentStats().session_evictions_ttl, 1u);
   EXPECT_EQ(engine_->CheckConsistency(), "");
 }
 
