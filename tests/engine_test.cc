@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <limits>
 #include <map>
@@ -90,6 +91,20 @@ class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
   EngineStats CurrentStats() {
     engine_->RunOnEngineThread([] {});
     return engine_->Stats();
+  }
+  // A cancel races its turn: a small model decodes 100-150 tokens in milliseconds, so a test thread descheduled
+  // between the turn's first event and the cancel (ctest -j2 on 2 cores) sees the turn end first. Such a run is
+  // not the case under test: `scenario` runs again on a new session (prefix0, prefix1, ...) until `won` says
+  // the cancel came first, 5 times at most, or until it fails. Returns the last session's id.
+  std::string UntilTheCancelWins(const std::string& prefix, const std::function<void(const std::string&)>& scenario,
+                                 const std::function<bool()>& won) {
+    std::string sid;
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      sid = prefix + std::to_string(attempt);
+      scenario(sid);
+      if (::testing::Test::HasFatalFailure() || won()) break;
+    }
+    return sid;
   }
   std::vector<int> Prompt(int n, int salt) {
     std::vector<int> t;
@@ -183,31 +198,30 @@ TEST_P(EngineTest, SessionEquivalenceAndAccounting) {
 
 TEST_P(EngineTest, CancelledTurnLeavesTheSessionAsItWas) {
   Start();
-  // The cancel races the turn: a small model decodes 150 tokens in milliseconds, so a test thread descheduled
-  // between the first event and the cancel (ctest -j2 on 2 cores) sees the turn end first. That run is not the
-  // case under test: the scenario starts again on a new session (kTries times at most).
-  constexpr int kTries = 5;
-  std::string sid;
   StatusOr<SessionInfo> before = InvalidArgument("unset");
-  for (int attempt = 0;; ++attempt) {
-    sid = "s" + std::to_string(attempt);
-    ASSERT_TRUE(engine_->CreateSession("", sid, 0, 0, {}).ok());
-    Run(Greedy(Prompt(30, 1), 5, sid));
-    before = engine_->GetSession("", sid, true);
-    ASSERT_TRUE(before.ok());
-    auto st = engine_->Submit(Greedy(Prompt(40, 2), 150, sid));
-    ASSERT_TRUE(st.ok());
-    StreamEvent e;
-    ASSERT_TRUE((*st)->Next(&e, std::chrono::seconds(30)));  // running
-    auto busy = engine_->Submit(Greedy(Prompt(3, 3), 2, sid));
-    engine_->Cancel("", (*st)->request_id());
-    const Result r = Drain(*st);
-    if (busy.ok()) Drain(*busy);
-    if ((busy.ok() || r.final.finish != FinishReason::kCancelled) && attempt + 1 < kTries) continue;
-    EXPECT_EQ(busy.status().code(), StatusCode::kFailedPrecondition);
-    EXPECT_EQ(r.final.finish, FinishReason::kCancelled);
-    break;
-  }
+  Result r;
+  StatusCode busy_code = StatusCode::kOk;
+  const std::string sid = UntilTheCancelWins(
+      "s",
+      [&](const std::string& id) {
+        ASSERT_TRUE(engine_->CreateSession("", id, 0, 0, {}).ok());
+        Run(Greedy(Prompt(30, 1), 5, id));
+        before = engine_->GetSession("", id, true);
+        ASSERT_TRUE(before.ok());
+        auto st = engine_->Submit(Greedy(Prompt(40, 2), 150, id));
+        ASSERT_TRUE(st.ok());
+        StreamEvent e;
+        ASSERT_TRUE((*st)->Next(&e, std::chrono::seconds(30)));  // running
+        auto busy = engine_->Submit(Greedy(Prompt(3, 3), 2, id));
+        busy_code = busy.status().code();
+        engine_->Cancel("", (*st)->request_id());
+        r = Drain(*st);
+        if (busy.ok()) Drain(*busy);
+      },
+      [&] { return busy_code != StatusCode::kOk && r.final.finish == FinishReason::kCancelled; });
+  ASSERT_TRUE(before.ok());
+  EXPECT_EQ(busy_code, StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.final.finish, FinishReason::kCancelled);
   auto after = engine_->GetSession("", sid, true);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->tokens, before->tokens);
@@ -416,27 +430,25 @@ TEST_P(EngineTest, RefusedContextRequestLeavesSessionsAsTheyWere) {
 // A turn that dropped history and was then cancelled leaves the session's history and count as they were.
 TEST_P(EngineTest, CancelledTurnRestoresDroppedHistory) {
   Start();
-  // The cancel races the turn (see CancelledTurnLeavesTheSessionAsItWas): a turn that ended first is retried
-  // on a new session.
-  constexpr int kTries = 5;
-  std::string sid;
   StatusOr<SessionInfo> before = InvalidArgument("unset");
-  for (int attempt = 0;; ++attempt) {
-    sid = "c" + std::to_string(attempt);
-    ASSERT_TRUE(engine_->CreateSession("", sid, 0, 0, Prompt(100, 1), {OverflowPolicy::kDropOldest, 8}).ok());
-    Run(Greedy(Prompt(60, 2), 8, sid));  // 169 tokens of history, with K/V
-    before = engine_->GetSession("", sid, true);
-    ASSERT_TRUE(before.ok());
-    auto st = engine_->Submit(Greedy(Prompt(40, 3), 100, sid));  // drops 64
-    ASSERT_TRUE(st.ok());
-    StreamEvent e;
-    ASSERT_TRUE((*st)->Next(&e, std::chrono::seconds(30)));
-    engine_->Cancel("", (*st)->request_id());
-    const Result r = Drain(*st);
-    if (r.final.finish != FinishReason::kCancelled && attempt + 1 < kTries) continue;
-    ASSERT_EQ(r.final.finish, FinishReason::kCancelled);
-    break;
-  }
+  Result r;
+  const std::string sid = UntilTheCancelWins(
+      "c",
+      [&](const std::string& id) {
+        ASSERT_TRUE(engine_->CreateSession("", id, 0, 0, Prompt(100, 1), {OverflowPolicy::kDropOldest, 8}).ok());
+        Run(Greedy(Prompt(60, 2), 8, id));  // 169 tokens of history, with K/V
+        before = engine_->GetSession("", id, true);
+        ASSERT_TRUE(before.ok());
+        auto st = engine_->Submit(Greedy(Prompt(40, 3), 100, id));  // drops 64
+        ASSERT_TRUE(st.ok());
+        StreamEvent e;
+        ASSERT_TRUE((*st)->Next(&e, std::chrono::seconds(30)));
+        engine_->Cancel("", (*st)->request_id());
+        r = Drain(*st);
+      },
+      [&] { return r.final.finish == FinishReason::kCancelled; });
+  ASSERT_TRUE(before.ok());
+  ASSERT_EQ(r.final.finish, FinishReason::kCancelled);
   auto after = engine_->GetSession("", sid, true);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->tokens, before->tokens);
