@@ -144,11 +144,14 @@ class Server:
         return self.wait_metric('qkvserve_kv_cache_blocks{state="used"}', n, timeout)
 
     def wait_metric(self, name, value, timeout=30):
-        """True once the scraped NAME equals VALUE (the engine publishes its figures at the end of a step, so
-        a reply can reach the client just before the counters that count it reach /metrics)."""
+        """True once the scraped NAME equals VALUE, or VALUE(it) is true for a callable VALUE (the engine
+        publishes its figures at the end of a step, at most every 50x the snapshot's cost, so a reply can
+        reach the client before the counters that count it reach /metrics)."""
+        ok = value if callable(value) else (lambda v: v == value)
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.metrics().get(name) == value:
+            v = self.metrics().get(name)
+            if v is not None and ok(v):
                 return True
             time.sleep(0.05)
         return False

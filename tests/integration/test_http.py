@@ -298,7 +298,7 @@ class HttpErrorCodesTest(unittest.TestCase):
             got = b""
             while got.count(b"data: ") < 3:
                 got += sock.recv(4096)
-            self.assertGreater(s.used_blocks(), 0)
+            self.assertTrue(s.wait_metric('qkvserve_kv_cache_blocks{state="used"}', lambda v: v > 0))
             sock.close()
             self.assertTrue(s.wait_used_blocks(0, timeout=20), "blocks not freed after the client went away")
             self.assertTrue(s.wait_metric('qkvserve_requests_by_front_total{front="http",reason="cancelled"}', 1))

@@ -132,8 +132,8 @@ class HybridTest(unittest.TestCase):
                 self.assertGreater(r.usage.cached_tokens, 0, f"turn {turn}")
                 self.assertEqual(r.usage.cached_tokens % 16, 0)
             convo = convo + list(r.token_ids) + ids(9, 30 + turn)
+        self.assertTrue(self.s.wait_metric('qkvserve_state_snapshots{state="used"}', lambda v: v > 0))
         m = self.s.metrics()
-        self.assertGreater(m['qkvserve_state_snapshots{state="used"}'], 0)
         self.assertEqual(m['qkvserve_state_snapshots{state="capacity"}'], 6)  # a quarter of the 24 slots
         self.assertEqual(self.s.accounting(), "")
 
