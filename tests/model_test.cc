@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
 
 #include "engine/bf16.h"
 #include "engine/block_manager.h"
+#include "engine/gguf.h"
 #include "engine/random_model.h"
 #include "engine/sampler.h"
 #include "tests/test_util.h"
@@ -450,6 +452,56 @@ TEST(Model, ValuesAreNotRotated) {
   for (int p = 1; p < 20; ++p) {
     EXPECT_EQ(row(false, 0), row(false, p)) << "V at position " << p;
     EXPECT_NE(row(true, 0), row(true, p)) << "K at position " << p;
+  }
+}
+
+// A quantized tensor whose block scale is not finite is refused at load with DataLoss naming the tensor, kept
+// quantized or expanded (the check runs on every thread over the tensor's rows; the bad block is in a late
+// row, so that another thread than the first finds it).
+TEST(Model, RefusesAQuantizedTensorWithANonFiniteScale) {
+  ModelConfig cfg = testing::SmallConfig(Arch::kQwen3);
+  cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
+  RandomModelOptions ro;
+  ro.preset = "Q8_0";
+  const std::string good = ::testing::TempDir() + "/finite_ok.gguf", bad = ::testing::TempDir() + "/finite_bad.gguf";
+  ASSERT_TRUE(WriteRandomModel(cfg, ro, good).ok());
+  std::vector<uint8_t> bytes;
+  {
+    FILE* f = std::fopen(good.c_str(), "rb");
+    ASSERT_NE(f, nullptr);
+    std::fseek(f, 0, SEEK_END);
+    bytes.resize(static_cast<size_t>(std::ftell(f)));
+    std::fseek(f, 0, SEEK_SET);
+    ASSERT_EQ(std::fread(bytes.data(), 1, bytes.size(), f), bytes.size());
+    std::fclose(f);
+  }
+  const std::string name = "blk.1.ffn_down.weight";
+  {
+    auto g = GgufFile::Parse(bytes);
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    const GgufTensor* t = (*g)->FindTensor(name);
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(t->type, GgmlType::kQ8_0);
+    // The scale (f16, first two bytes) of the last block of the last row: +inf.
+    const size_t at = static_cast<size_t>(t->data - bytes.data()) + t->nbytes - GgmlBlockBytes(GgmlType::kQ8_0);
+    bytes[at] = 0x00, bytes[at + 1] = 0x7c;
+  }
+  {
+    FILE* f = std::fopen(bad.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+    std::fclose(f);
+  }
+  for (bool keep : {true, false}) {
+    ModelOptions mo;
+    mo.n_threads = 2;
+    mo.keep_quantized = keep;
+    EXPECT_TRUE(Model::Load(good, mo).ok()) << keep;
+    auto m = Model::Load(bad, mo);
+    ASSERT_FALSE(m.ok()) << keep;
+    EXPECT_EQ(m.status().code(), StatusCode::kDataLoss) << keep;
+    EXPECT_NE(m.status().message().find(name), std::string::npos) << m.status().ToString();
+    EXPECT_NE(m.status().message().find("non-finite"), std::string::npos) << m.status().ToString();
   }
 }
 

@@ -28,14 +28,21 @@ StatusOr<const GgufTensor*> FindShaped(const GgufFile& f, const std::string& nam
 // Every value of rows [r0, r1) (all of them by default) of a quantized tensor of rows of k values is
 // finite (checked row by row, in place).
 Status CheckQuantizedFinite(const GgufTensor& t, uint64_t k, uint64_t r0 = 0, uint64_t r1 = UINT64_MAX) {
-  std::vector<float> row(k);
   const uint64_t rb = GgmlRowBytes(t.type, k);
-  for (uint64_t r = r0; r < std::min(r1, t.n_elements() / k); ++r) {
-    DequantizeRow(t.type, t.data + r * rb, static_cast<int64_t>(k), row.data());
-    for (float v : row) {
-      if (!std::isfinite(v)) return DataLoss("model: tensor '" + t.name + "' holds a non-finite value");
+  const auto end = static_cast<int64_t>(std::min(r1, t.n_elements() / k));
+  bool finite = true;
+  // (every row expanded: a third of a quantized file's load time on one thread)
+#pragma omp parallel reduction(&& : finite)
+  {
+    std::vector<float> row(k);
+#pragma omp for schedule(static)
+    for (int64_t r = static_cast<int64_t>(r0); r < end; ++r) {
+      if (!finite) continue;
+      DequantizeRow(t.type, t.data + static_cast<uint64_t>(r) * rb, static_cast<int64_t>(k), row.data());
+      for (float v : row) finite = finite && std::isfinite(v);
     }
   }
+  if (!finite) return DataLoss("model: tensor '" + t.name + "' holds a non-finite value");
   return {};
 }
 
