@@ -280,7 +280,8 @@ Status Model::LoadWeights(const GgufFile& f) {
                    kind->caches_tokens ? kv_layers_++ : -1,
                    state_bytes,
                    rope_.get(),
-                   rows_cap_};
+                   rows_cap_,
+                   &shared_scratch_};
       QKV_ASSIGN_OR_RETURN(std::unique_ptr<Layer> layer, kind->make(in));
       state_bytes += layer->cache().state_bytes_per_seq;
       weight_bytes_ += layer->weight_bytes();
@@ -297,7 +298,7 @@ size_t Model::scratch_bytes() const {
     n += v->capacity() * sizeof(float);
   n += in_lp_.capacity() * sizeof(uint16_t);
   for (const auto& l : layers_) n += l->scratch_bytes();
-  return n + rt_->scratch_bytes();
+  return n + shared_scratch_.bytes() + rt_->scratch_bytes();
 }
 
 std::vector<std::pair<int, std::vector<uint64_t>>> Model::ExpertTokens() const {

@@ -128,6 +128,7 @@ class Model {
   size_t attn_scratch_stride_ = 0;
   bool team_step_ = false;        // one-token steps run Layer::ForwardTeam in one parallel region
   std::vector<float> team_rows_;  // per thread, team_stride_ floats (LayerScratch::team_rows)
+  SharedScratch shared_scratch_;  // what layers share (LayerInit::shared)
   size_t team_stride_ = 0;
   std::vector<int> tok_chunk_, tok_pos_, logit_src_;
   int logits_rows_ = 0;

@@ -455,6 +455,29 @@ TEST(Model, ValuesAreNotRotated) {
   }
 }
 
+// The experts' scratch is held once per model (SharedScratch), not once per layer: a mixture-of-experts model
+// with 6 layers reports the scratch of one with 2, quantized (the fused path's buffers) and not.
+TEST(Model, MoeLayersShareTheirScratch) {
+  for (const char* preset : {"Q4_K_M", static_cast<const char*>(nullptr)}) {
+    size_t scratch[2] = {};
+    for (int i = 0; i < 2; ++i) {
+      ModelConfig cfg = testing::SmallConfig(Arch::kQwen3Moe);
+      cfg.hidden = 256, cfg.head_dim = 32, cfg.rotary_dim = 32;
+      cfg.moe.n_experts = 8, cfg.moe.n_used = 3, cfg.moe.expert_ffn = 256;
+      cfg.n_layers = i == 0 ? 2 : 6;
+      RandomModelOptions ro;
+      if (preset) ro.preset = preset;
+      const std::string path = ::testing::TempDir() + "/moe_scratch_" + std::to_string(cfg.n_layers) + ".gguf";
+      ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
+      auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
+      ASSERT_TRUE(m);
+      scratch[i] = m->scratch_bytes();
+    }
+    EXPECT_GT(scratch[0], 0u);
+    EXPECT_EQ(scratch[0], scratch[1]) << (preset ? preset : "bf16");
+  }
+}
+
 // A quantized tensor whose block scale is not finite is refused at load with DataLoss naming the tensor, kept
 // quantized or expanded (the check runs on every thread over the tensor's rows; the bad block is in a late
 // row, so that another thread than the first finds it).

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -129,8 +130,38 @@ class Layer {
   virtual void ForEachLinear(const std::function<void(const Linear&)>& f) const = 0;
 };
 
+// Scratch that the layers of one model share: they run one after another on the engine thread, so one copy
+// per key (a layer kind and every size its buffers depend on) serves them all, counted once in the model's
+// scratch bytes (T::bytes()). Before, each mixture-of-experts layer held its own ~7.6 MB at 512 batch rows.
+class SharedScratch {
+ public:
+  template <class T, class Make>
+  std::shared_ptr<T> Get(const std::string& key, const Make& make) {
+    Entry& e = entries_[key];
+    if (!e.ptr) {
+      std::shared_ptr<T> p = make();
+      e.bytes = [q = p.get()] { return q->bytes(); };
+      e.ptr = std::move(p);
+    }
+    return std::static_pointer_cast<T>(e.ptr);
+  }
+  size_t bytes() const {
+    size_t n = 0;
+    for (const auto& [key, e] : entries_) n += e.bytes();
+    return n;
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<void> ptr;
+    std::function<size_t()> bytes;
+  };
+  std::map<std::string, Entry> entries_;
+};
+
 // What a factory gets: the file, the shape, the block index, the GEMM runtime and dtypes, the RoPE table,
-// and (for layers that cache per token) the layer of the paged token store it was given.
+// (for layers that cache per token) the layer of the paged token store it was given, and the model's
+// shared scratch.
 struct LayerInit {
   const GgufFile& file;
   const ModelConfig& config;
@@ -143,6 +174,7 @@ struct LayerInit {
   int64_t state_offset = 0;  // (for layers that keep state) where its share of a state slot starts, in bytes
   const RopeTable* rope = nullptr;
   int max_rows = 0;  // rows of one forward pass (the batch limit rounded up to the GEMM tile)
+  SharedScratch* shared = nullptr;
 };
 
 using LayerFactory = StatusOr<std::unique_ptr<Layer>> (*)(const LayerInit&);

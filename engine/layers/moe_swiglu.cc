@@ -38,6 +38,39 @@
 namespace qkv {
 namespace {
 
+// Per thread, for ForwardTeam: the token's routing, computed by every thread for itself.
+struct TeamRoute {
+  std::vector<int> chosen, idx, active_k;  // active_k[a]: the k of the a-th expert in increasing index
+  std::vector<float> weights, route;
+};
+
+// A mixture-of-experts layer's scratch (what one step needs, nothing kept between steps), shared by the
+// model's layers of the same sizes (SharedScratch).
+struct MoeBuffers {
+  std::vector<float> logits, weights, xin, gu, act, y, acc, route;
+  std::vector<int> chosen, rows_of, route_idx;
+  std::vector<int> tok, off;
+  QuantizedRows hq, aq[2];
+  std::vector<QuantizedRows> hq_own;  // one per thread: the few tokens' rows at decode (kOwnQuantRows)
+  std::vector<float> sgu, sact, sy;
+  std::vector<int> seq, active;  // seq[i] = i (rows of saq in place); active: the step's experts
+  QuantizedRows saq;
+  std::vector<TeamRoute> team;
+  size_t bytes() const {
+    size_t n = sizeof(float) * (logits.size() + weights.size() + xin.size() + gu.size() + act.size() + y.size() +
+                                acc.size() + route.size() + sgu.size() + sact.size() + sy.size()) +
+               sizeof(int) * (chosen.size() + rows_of.size() + route_idx.size() + tok.size() + off.size() + seq.size() +
+                              active.size()) +
+               hq.bytes() + aq[0].bytes() + aq[1].bytes() + saq.bytes();
+    for (const auto& q : hq_own) n += q.bytes();
+    for (const TeamRoute& r : team) {
+      n += sizeof(int) * (r.chosen.size() + r.idx.size() + r.active_k.size()) +
+           sizeof(float) * (r.weights.size() + r.route.size());
+    }
+    return n;
+  }
+};
+
 class MoeSwiGlu final : public Layer {
  public:
   std::string_view kind() const override { return "moe_swiglu"; }
@@ -67,19 +100,8 @@ class MoeSwiGlu final : public Layer {
       f(*sh_down_);
     }
   }
-  size_t scratch_bytes() const override {
-    return sizeof(float) * (logits_.size() + weights_.size() + xin_.size() + gu_.size() + act_.size() + y_.size() +
-                            acc_.size() + route_.size()) +
-           sizeof(int) * (chosen_.size() + rows_of_.size() + route_idx_.size() + tok_.size() + off_.size()) +
-           hq_.bytes() + aq_[0].bytes() + aq_[1].bytes() + saq_.bytes() + OwnBytes() +
-           sizeof(float) * (sgu_.size() + sact_.size() + sy_.size()) + sizeof(int) * (seq_.size() + active_.size());
-  }
-
-  size_t OwnBytes() const {
-    size_t n = 0;
-    for (const auto& q : hq_own_) n += q.bytes();
-    return n;
-  }
+  // (its scratch is shared with the model's other mixture-of-experts layers: SharedScratch counts it)
+  size_t scratch_bytes() const override { return 0; }
 
   const std::vector<uint64_t>* expert_tokens() const override { return &routed_; }
 
@@ -87,10 +109,10 @@ class MoeSwiGlu final : public Layer {
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
   // The spread path without shared experts: one token's routed experts inside the step's team.
   bool team_ready() const override {
-    if (sh_gate_up_ || !router_->team_ready() || team_.empty()) return false;
+    if (sh_gate_up_ || !router_->team_ready() || b_->team.empty()) return false;
     if (fused_) return spread_slots_ >= m_.n_used;
     const auto K = static_cast<size_t>(m_.n_used);
-    if (gu_.size() < K * 2 * m_.expert_ffn || y_.size() < K * hidden_) return false;
+    if (b_->gu.size() < K * 2 * m_.expert_ffn || b_->y.size() < K * hidden_) return false;
     for (size_t e = 0; e < gate_up_.size(); ++e) {
       if (!gate_up_[e]->team_ready() || !down_[e]->team_ready()) return false;
     }
@@ -103,7 +125,7 @@ class MoeSwiGlu final : public Layer {
   // One token's routing: chosen experts (top-k, in the order of selection) and their weights. prob, sel:
   // E floats and idx E ints of scratch.
   void Route(const float* logits, int* chosen, float* weights, float* prob, float* sel, int* idx) const;
-  // acc_ (T rows) = Σ over each token's experts of w · expert(h), experts on quantized weights (see above).
+  // b_->acc (T rows) = Σ over each token's experts of w · expert(h), experts on quantized weights (see above).
   void ExpertsQuantized(int T, const LayerScratch& s);
   // The same with the active experts' columns spread over the threads (T × n_used ≤ spread_slots_).
   void ExpertsSpread(int T, const LayerScratch& s);
@@ -119,30 +141,17 @@ class MoeSwiGlu final : public Layer {
   std::unique_ptr<Linear> router_;
   std::vector<std::unique_ptr<Linear>> gate_up_, down_;  // per expert: [2 × expert_ffn, H] and [H, expert_ffn]
   std::unique_ptr<Linear> sh_gate_up_, sh_down_;         // shared experts, or null
-  // Scratch for max_rows rows, sized at load.
-  std::vector<float> logits_, weights_, xin_, gu_, act_, y_, acc_, route_;
-  std::vector<int> chosen_, rows_of_, route_idx_;
-  // The fused quantized path (empty otherwise): slots grouped by expert (off_[e] .. off_[e + 1]), each with
-  // its token (tok_) and its index t × K + k into chosen_/weights_ (rows_of_); the tokens' activations and
-  // two experts' SiLU products in int8.
+  // The fused quantized path: slots grouped by expert (b_->off[e] .. b_->off[e + 1]), each with its token
+  // (tok) and its index t × K + k into chosen/weights (rows_of); the tokens' activations and two experts'
+  // SiLU products in int8. The spread path (ExpertsSpread): per slot its gate/up outputs, SiLU product
+  // (also in int8) and down output.
   bool fused_ = false;
-  std::vector<int> tok_, off_;
-  QuantizedRows hq_, aq_[2];
-  std::vector<QuantizedRows> hq_own_;  // one per thread: the few tokens' rows at decode (kOwnQuantRows)
-  // The spread path (ExpertsSpread): per slot its gate/up outputs, SiLU product (also in int8) and down output.
   static constexpr int kSpreadSlots = 64;
   int spread_slots_ = 0;  // slots the buffers hold (0: no spread path)
-  std::vector<float> sgu_, sact_, sy_;
-  std::vector<int> seq_, active_;  // seq_[i] = i (rows of saq_ in place); active_: the step's experts
-  QuantizedRows saq_;
   int idx_stride_ = 0;
   std::vector<uint64_t> routed_;  // tokens routed to each expert
-  // Per thread, for ForwardTeam: the token's routing, computed by every thread for itself.
-  struct TeamRoute {
-    std::vector<int> chosen, idx, active_k;  // active_k[a]: the k of the a-th expert in increasing index
-    std::vector<float> weights, route;
-  };
-  std::vector<TeamRoute> team_;
+  // Scratch for max_rows rows, sized at load, shared by the model's layers of the same sizes.
+  std::shared_ptr<MoeBuffers> b_;
   // ForwardTeam's experts on GEMMs that are not fused (h: the thread's normalized row, then its SiLU products).
   void ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerScratch& s);
   // The thread's share of x's columns += Σ over the token's experts in increasing index (expert a's output
@@ -195,46 +204,57 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
   // experts over all of them.
   const auto rows = static_cast<size_t>(std::max(in.max_rows, 1));
   const int widest = std::max(F, m.n_shared * F);
-  L->logits_.assign(rows * E, 0);
-  L->weights_.assign(rows * m.n_used, 0);
-  L->chosen_.assign(rows * m.n_used, 0);
   const char* fused = std::getenv("QKV_MOE_FUSED");
   L->fused_ = quant && !(fused && std::strcmp(fused, "0") == 0);
   for (int e = 0; e < E && L->fused_; ++e) L->fused_ = L->gate_up_[e]->quantized() && L->down_[e]->quantized();
-  L->rows_of_.assign(rows * (L->fused_ ? m.n_used : 1), 0);
-  if (L->fused_) {
-    L->tok_.assign(rows * m.n_used, 0);
-    L->off_.assign(static_cast<size_t>(E) + 1, 0);
-    L->hq_.Resize(static_cast<int>(rows), H);
-    L->hq_own_.resize(static_cast<size_t>(in.gemm.n_threads()));
-    for (auto& q : L->hq_own_) q.Resize(kOwnQuantRows, H);
-    for (auto& q : L->aq_) q.Resize(static_cast<int>(rows), F);
-    const int S = static_cast<int>(std::min<size_t>(rows * m.n_used, kSpreadSlots));
-    L->spread_slots_ = S;
-    L->sgu_.assign(static_cast<size_t>(S) * 2 * F, 0);
-    L->sact_.assign(static_cast<size_t>(S) * F, 0);
-    L->sy_.assign(static_cast<size_t>(S) * H, 0);
-    L->seq_.resize(S);
-    std::iota(L->seq_.begin(), L->seq_.end(), 0);
-    L->active_.assign(static_cast<size_t>(E), 0);
-    L->saq_.Resize(S, F);
-  }
-  L->team_.resize(static_cast<size_t>(in.gemm.n_threads()));
-  for (TeamRoute& r : L->team_) {
-    r.chosen.assign(static_cast<size_t>(m.n_used), 0);
-    r.active_k.assign(static_cast<size_t>(m.n_used), 0);
-    r.weights.assign(static_cast<size_t>(m.n_used), 0);
-    r.route.assign(static_cast<size_t>(2 * E), 0);
-    r.idx.assign(static_cast<size_t>(std::max(E, m.n_groups)), 0);
-  }
-  L->route_.assign(rows * 2 * E, 0);
+  const int K = m.n_used, threads = in.gemm.n_threads();
+  const int S = L->fused_ ? static_cast<int>(std::min<size_t>(rows * K, kSpreadSlots)) : 0;
+  L->spread_slots_ = S;
   L->idx_stride_ = std::max(E, m.n_groups);
-  L->route_idx_.assign(rows * L->idx_stride_, 0);
-  if (!L->fused_) L->xin_.assign(rows * H, 0);  // the per-expert path's copy of an expert's tokens
-  L->gu_.assign(rows * 2 * widest, 0);
-  L->act_.assign(rows * widest, 0);
-  L->y_.assign(rows * H, 0);
-  L->acc_.assign(rows * H, 0);
+  auto make = [&] {
+    auto b = std::make_shared<MoeBuffers>();
+    b->logits.assign(rows * E, 0);
+    b->weights.assign(rows * K, 0);
+    b->chosen.assign(rows * K, 0);
+    b->rows_of.assign(rows * (L->fused_ ? K : 1), 0);
+    if (L->fused_) {
+      b->tok.assign(rows * K, 0);
+      b->off.assign(static_cast<size_t>(E) + 1, 0);
+      b->hq.Resize(static_cast<int>(rows), H);
+      b->hq_own.resize(static_cast<size_t>(threads));
+      for (auto& q : b->hq_own) q.Resize(kOwnQuantRows, H);
+      for (auto& q : b->aq) q.Resize(static_cast<int>(rows), F);
+      b->sgu.assign(static_cast<size_t>(S) * 2 * F, 0);
+      b->sact.assign(static_cast<size_t>(S) * F, 0);
+      b->sy.assign(static_cast<size_t>(S) * H, 0);
+      b->seq.resize(S);
+      std::iota(b->seq.begin(), b->seq.end(), 0);
+      b->active.assign(static_cast<size_t>(E), 0);
+      b->saq.Resize(S, F);
+    }
+    b->team.resize(static_cast<size_t>(threads));
+    for (TeamRoute& r : b->team) {
+      r.chosen.assign(static_cast<size_t>(K), 0);
+      r.active_k.assign(static_cast<size_t>(K), 0);
+      r.weights.assign(static_cast<size_t>(K), 0);
+      r.route.assign(static_cast<size_t>(2 * E), 0);
+      r.idx.assign(static_cast<size_t>(L->idx_stride_), 0);
+    }
+    b->route.assign(rows * 2 * E, 0);
+    b->route_idx.assign(rows * L->idx_stride_, 0);
+    if (!L->fused_) b->xin.assign(rows * H, 0);  // the per-expert path's copy of an expert's tokens
+    b->gu.assign(rows * 2 * widest, 0);
+    b->act.assign(rows * widest, 0);
+    b->y.assign(rows * H, 0);
+    b->acc.assign(rows * H, 0);
+    return b;
+  };
+  // Every size the buffers depend on is in the key, so layers that share them agree on all of them.
+  const std::string key = "moe rows " + std::to_string(rows) + " E " + std::to_string(E) + " K " + std::to_string(K) +
+                          " F " + std::to_string(F) + " widest " + std::to_string(widest) + " H " + std::to_string(H) +
+                          " groups " + std::to_string(L->idx_stride_) + " threads " + std::to_string(threads) +
+                          (L->fused_ ? " fused" : "");
+  L->b_ = in.shared ? in.shared->Get<MoeBuffers>(key, make) : make();
   L->routed_.assign(static_cast<size_t>(E), 0);
   return std::unique_ptr<Layer>(std::move(L));
 }
@@ -297,38 +317,38 @@ void MoeSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &s.h[static_cast<size_t>(t) * H], H, eps_);
   });
   s.timer->Mark(pf.norms);
-  s.Gemm(*router_, s.h, T, logits_.data());
+  s.Gemm(*router_, s.h, T, b_->logits.data());
   ParallelRows(T, nthr, [&](int t) {
-    float* r = &route_[static_cast<size_t>(t) * 2 * E];
-    Route(&logits_[static_cast<size_t>(t) * E], &chosen_[static_cast<size_t>(t) * K],
-          &weights_[static_cast<size_t>(t) * K], r, r + E, &route_idx_[static_cast<size_t>(t) * idx_stride_]);
+    float* r = &b_->route[static_cast<size_t>(t) * 2 * E];
+    Route(&b_->logits[static_cast<size_t>(t) * E], &b_->chosen[static_cast<size_t>(t) * K],
+          &b_->weights[static_cast<size_t>(t) * K], r, r + E, &b_->route_idx[static_cast<size_t>(t) * idx_stride_]);
   });
-  std::fill_n(acc_.begin(), static_cast<size_t>(T) * H, 0.0f);
+  std::fill_n(b_->acc.begin(), static_cast<size_t>(T) * H, 0.0f);
   // Each expert over the tokens that chose it, in increasing expert index.
   for (int e = 0; e < (fused_ ? 0 : E); ++e) {
     int n = 0;
     for (int t = 0; t < T; ++t) {
       for (int k = 0; k < K; ++k) {
-        if (chosen_[static_cast<size_t>(t) * K + k] == e) {
-          rows_of_[n] = t * K + k;
-          std::copy_n(&s.h[static_cast<size_t>(t) * H], H, &xin_[static_cast<size_t>(n) * H]);
+        if (b_->chosen[static_cast<size_t>(t) * K + k] == e) {
+          b_->rows_of[n] = t * K + k;
+          std::copy_n(&s.h[static_cast<size_t>(t) * H], H, &b_->xin[static_cast<size_t>(n) * H]);
           ++n;
         }
       }
     }
     if (n == 0) continue;
     routed_[e] += static_cast<uint64_t>(n);
-    s.Gemm(*gate_up_[e], xin_.data(), n, gu_.data());
+    s.Gemm(*gate_up_[e], b_->xin.data(), n, b_->gu.data());
     for (int i = 0; i < n; ++i) {
-      const float* g = &gu_[static_cast<size_t>(i) * 2 * F];
-      SiluMul(g, g + F, &act_[static_cast<size_t>(i) * F], F);
+      const float* g = &b_->gu[static_cast<size_t>(i) * 2 * F];
+      SiluMul(g, g + F, &b_->act[static_cast<size_t>(i) * F], F);
     }
-    s.Gemm(*down_[e], act_.data(), n, y_.data());
+    s.Gemm(*down_[e], b_->act.data(), n, b_->y.data());
     for (int i = 0; i < n; ++i) {
-      const int t = rows_of_[i] / K;
-      const float w = weights_[rows_of_[i]];
-      float* a = &acc_[static_cast<size_t>(t) * H];
-      const float* y = &y_[static_cast<size_t>(i) * H];
+      const int t = b_->rows_of[i] / K;
+      const float w = b_->weights[b_->rows_of[i]];
+      float* a = &b_->acc[static_cast<size_t>(t) * H];
+      const float* y = &b_->y[static_cast<size_t>(i) * H];
       for (int d = 0; d < H; ++d) a[d] = std::fma(w, y[d], a[d]);
     }
   }
@@ -336,15 +356,15 @@ void MoeSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
   s.timer->Mark(pf.ffn_up);
   if (sh_gate_up_) {  // the shared experts: one dense SwiGLU on every token
     const int SF = m_.n_shared * F;
-    s.Gemm(*sh_gate_up_, s.h, T, gu_.data());
+    s.Gemm(*sh_gate_up_, s.h, T, b_->gu.data());
     for (int t = 0; t < T; ++t) {
-      const float* g = &gu_[static_cast<size_t>(t) * 2 * SF];
-      SiluMul(g, g + SF, &act_[static_cast<size_t>(t) * SF], SF);
+      const float* g = &b_->gu[static_cast<size_t>(t) * 2 * SF];
+      SiluMul(g, g + SF, &b_->act[static_cast<size_t>(t) * SF], SF);
     }
-    s.Gemm(*sh_down_, act_.data(), T, y_.data());
-    AddInPlace(acc_.data(), y_.data(), T * H);
+    s.Gemm(*sh_down_, b_->act.data(), T, b_->y.data());
+    AddInPlace(b_->acc.data(), b_->y.data(), T * H);
   }
-  AddInPlace(x, acc_.data(), T * H);
+  AddInPlace(x, b_->acc.data(), T * H);
   s.timer->Mark(pf.ffn_down);
 }
 
@@ -363,52 +383,52 @@ void MoeSwiGlu::GateUpSlice(const QuantWeights& gu, const QuantizedRowSet& x, in
 void MoeSwiGlu::ExpertsQuantized(int T, const LayerScratch& s) {
   const int H = hidden_, E = m_.n_experts, K = m_.n_used, F = m_.expert_ffn, nthr = s.n_threads;
   // Slots by expert (a counting sort), tokens in increasing order within an expert.
-  std::fill(off_.begin(), off_.end(), 0);
-  for (int i = 0; i < T * K; ++i) ++off_[chosen_[i] + 1];
+  std::fill(b_->off.begin(), b_->off.end(), 0);
+  for (int i = 0; i < T * K; ++i) ++b_->off[b_->chosen[i] + 1];
   for (int e = 0; e < E; ++e) {
-    routed_[e] += static_cast<uint64_t>(off_[e + 1]);
-    off_[e + 1] += off_[e];
+    routed_[e] += static_cast<uint64_t>(b_->off[e + 1]);
+    b_->off[e + 1] += b_->off[e];
   }
-  for (int i = 0; i < T * K; ++i) {  // off_[e] advances to the end of e's slots, then shifts back below
-    const int slot = off_[chosen_[i]]++;
-    tok_[slot] = i / K;
-    rows_of_[slot] = i;
+  for (int i = 0; i < T * K; ++i) {  // b_->off[e] advances to the end of e's slots, then shifts back below
+    const int slot = b_->off[b_->chosen[i]]++;
+    b_->tok[slot] = i / K;
+    b_->rows_of[slot] = i;
   }
-  for (int e = E; e > 0; --e) off_[e] = off_[e - 1];
-  off_[0] = 0;
+  for (int e = E; e > 0; --e) b_->off[e] = b_->off[e - 1];
+  b_->off[0] = 0;
   if (T * K <= spread_slots_) return ExpertsSpread(T, s);
   const int nb = F / 32;
 #pragma omp parallel num_threads(nthr)
   {
 #pragma omp for schedule(static)
-    for (int i = 0; i < nthr; ++i) hq_.Quantize(s.h, T * i / nthr, T * (i + 1) / nthr);
-    int j = 0;  // experts run so far: which of aq_ this one writes
+    for (int i = 0; i < nthr; ++i) b_->hq.Quantize(s.h, T * i / nthr, T * (i + 1) / nthr);
+    int j = 0;  // experts run so far: which of b_->aq this one writes
     for (int e = 0; e < E; ++e) {
-      const int o = off_[e], n = off_[e + 1] - o;
+      const int o = b_->off[e], n = b_->off[e + 1] - o;
       if (n == 0) continue;
       const QuantWeights& gu = *gate_up_[e]->quantized();
       const QuantWeights& dn = *down_[e]->quantized();
-      QuantizedRows& aq = aq_[j++ % 2];
+      QuantizedRows& aq = b_->aq[j++ % 2];
       // Gate and up columns [c0, c1) (and F + c0 ...), SiLU product, its int8 blocks. The barrier at the
       // end publishes aq to every thread.
 #pragma omp for schedule(static)
       for (int i = 0; i < nthr; ++i) {
         const int c0 = nb * i / nthr * 32, c1 = nb * (i + 1) / nthr * 32;
         if (c0 == c1) continue;
-        GateUpSlice(gu, QuantizedRowSet{&hq_, &tok_[o], n}, c0, c1, gu_.data(), act_.data(), aq, 0);
+        GateUpSlice(gu, QuantizedRowSet{&b_->hq, &b_->tok[o], n}, c0, c1, b_->gu.data(), b_->act.data(), aq, 0);
       }
       // Down columns [c0, c1) and their share of the output. No barrier: the next expert writes the other
-      // aq_, and the one after waits at the next expert's barrier for this loop to end everywhere.
+      // b_->aq, and the one after waits at the next expert's barrier for this loop to end everywhere.
 #pragma omp for schedule(static) nowait
       for (int i = 0; i < nthr; ++i) {
         const int c0 = dn.UnitStart(static_cast<int>(static_cast<int64_t>(H) * i / nthr));
         const int c1 = dn.UnitStart(static_cast<int>(static_cast<int64_t>(H) * (i + 1) / nthr));
         if (c0 == c1) continue;
-        dn.Compute(QuantizedRowSet{&aq, nullptr, n}, c0, c1, y_.data(), H);
+        dn.Compute(QuantizedRowSet{&aq, nullptr, n}, c0, c1, b_->y.data(), H);
         for (int r = 0; r < n; ++r) {
-          const float w = weights_[rows_of_[o + r]];
-          float* a = &acc_[static_cast<size_t>(tok_[o + r]) * H];
-          const float* y = &y_[static_cast<size_t>(r) * H];
+          const float w = b_->weights[b_->rows_of[o + r]];
+          float* a = &b_->acc[static_cast<size_t>(b_->tok[o + r]) * H];
+          const float* y = &b_->y[static_cast<size_t>(r) * H];
           for (int d = c0; d < c1; ++d) a[d] = std::fma(w, y[d], a[d]);
         }
       }
@@ -420,34 +440,34 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
   const int H = hidden_, E = m_.n_experts, F = m_.expert_ffn, nthr = s.n_threads;
   int A = 0;  // active experts, in increasing index
   for (int e = 0; e < E; ++e)
-    if (off_[e + 1] > off_[e]) active_[A++] = e;
+    if (b_->off[e + 1] > b_->off[e]) b_->active[A++] = e;
   const int nb = F / 32;
   // Decode (T ≤ kOwnQuantRows): each thread quantizes the tokens' rows itself, as Linear::Forward does,
   // and the barrier after the shared quantization goes.
   const bool own = T <= kOwnQuantRows;
 #pragma omp parallel num_threads(nthr)
   {
-    const QuantizedRows* hq = &hq_;
+    const QuantizedRows* hq = &b_->hq;
     if (own) {
-      QuantizedRows& q = hq_own_[static_cast<size_t>(omp_get_thread_num())];
+      QuantizedRows& q = b_->hq_own[static_cast<size_t>(omp_get_thread_num())];
       q.Quantize(s.h, 0, T);
       hq = &q;
     } else {
 #pragma omp for schedule(static)
-      for (int i = 0; i < nthr; ++i) hq_.Quantize(s.h, T * i / nthr, T * (i + 1) / nthr);
+      for (int i = 0; i < nthr; ++i) b_->hq.Quantize(s.h, T * i / nthr, T * (i + 1) / nthr);
     }
     // Gate/up: thread i takes the 32-column blocks [A·nb·i/nthr, A·nb·(i+1)/nthr) of the active experts'
-    // columns laid end to end; each slot's rows land at its place (off_) in the slot buffers.
+    // columns laid end to end; each slot's rows land at its place (b_->off) in the slot buffers.
 #pragma omp for schedule(static)
     for (int i = 0; i < nthr; ++i) {
       const int64_t g0 = int64_t{A} * nb * i / nthr, g1 = int64_t{A} * nb * (i + 1) / nthr;
       for (int64_t a = g0 / nb; a < A && a * nb < g1; ++a) {
-        const int e = active_[a], o = off_[e], n = off_[e + 1] - o;
+        const int e = b_->active[a], o = b_->off[e], n = b_->off[e + 1] - o;
         const int c0 = static_cast<int>(std::max(g0, a * nb) - a * nb) * 32;
         const int c1 = static_cast<int>(std::min(g1, (a + 1) * nb) - a * nb) * 32;
         if (c0 == c1) continue;
-        GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{hq, &tok_[o], n}, c0, c1,
-                    &sgu_[static_cast<size_t>(o) * 2 * F], sact_.data(), saq_, o);
+        GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{hq, &b_->tok[o], n}, c0, c1,
+                    &b_->sgu[static_cast<size_t>(o) * 2 * F], b_->sact.data(), b_->saq, o);
       }
     }
     // Down: the active experts' H output columns end to end, cut on unit starts.
@@ -455,12 +475,12 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
     for (int i = 0; i < nthr; ++i) {
       const int64_t g0 = int64_t{A} * H * i / nthr, g1 = int64_t{A} * H * (i + 1) / nthr;
       for (int64_t a = g0 / H; a < A && a * H < g1; ++a) {
-        const int e = active_[a], o = off_[e], n = off_[e + 1] - o;
+        const int e = b_->active[a], o = b_->off[e], n = b_->off[e + 1] - o;
         const QuantWeights& dn = *down_[e]->quantized();
         const int c0 = dn.UnitStart(static_cast<int>(std::max(g0, a * H) - a * H));
         const int c1 = dn.UnitStart(static_cast<int>(std::min(g1, (a + 1) * H) - a * H));
         if (c0 == c1) continue;
-        dn.Compute(QuantizedRowSet{&saq_, &seq_[o], n}, c0, c1, &sy_[static_cast<size_t>(o) * H], H);
+        dn.Compute(QuantizedRowSet{&b_->saq, &b_->seq[o], n}, c0, c1, &b_->sy[static_cast<size_t>(o) * H], H);
       }
     }
     // Output columns [d0, d1): Σ over the experts in increasing index, as the per-expert path adds them.
@@ -468,11 +488,11 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
     for (int i = 0; i < nthr; ++i) {
       const int d0 = H * i / nthr / 16 * 16, d1 = i + 1 == nthr ? H : H * (i + 1) / nthr / 16 * 16;
       for (int a = 0; a < A; ++a) {
-        const int e = active_[a];
-        for (int slot = off_[e]; slot < off_[e + 1]; ++slot) {
-          const float w = weights_[rows_of_[slot]];
-          float* acc = &acc_[static_cast<size_t>(tok_[slot]) * H];
-          const float* y = &sy_[static_cast<size_t>(slot) * H];
+        const int e = b_->active[a];
+        for (int slot = b_->off[e]; slot < b_->off[e + 1]; ++slot) {
+          const float w = b_->weights[b_->rows_of[slot]];
+          float* acc = &b_->acc[static_cast<size_t>(b_->tok[slot]) * H];
+          const float* y = &b_->sy[static_cast<size_t>(slot) * H];
           for (int d = d0; d < d1; ++d) acc[d] = std::fma(w, y[d], acc[d]);
         }
       }
@@ -492,11 +512,11 @@ void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScrat
   float* h = s.TeamRows(me);
   RmsNorm(x, norm_.data(), h, H, eps_);
   if (timer) timer->Mark(pf.norms);
-  router_->ForwardShare(h, 1, logits_.data(), [](int, int) {});
-  if (fused_) hq_own_[static_cast<size_t>(me)].Quantize(h, 0, 1);
+  router_->ForwardShare(h, 1, b_->logits.data(), [](int, int) {});
+  if (fused_) b_->hq_own[static_cast<size_t>(me)].Quantize(h, 0, 1);
   s.Barrier();
-  TeamRoute& r = team_[static_cast<size_t>(me)];
-  Route(logits_.data(), r.chosen.data(), r.weights.data(), r.route.data(), r.route.data() + E, r.idx.data());
+  TeamRoute& r = b_->team[static_cast<size_t>(me)];
+  Route(b_->logits.data(), r.chosen.data(), r.weights.data(), r.route.data(), r.route.data() + E, r.idx.data());
   // The chosen experts in increasing index (top-k picks each at most once).
   for (int k = 0; k < K; ++k) {
     int a = k;
@@ -510,7 +530,7 @@ void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScrat
     for (int k = 0; k < K; ++k) ++routed_[r.chosen[k]];
   }
   if (!fused_) return ExpertsTeam(x, h, r, s);
-  QuantizedRows& hq = hq_own_[static_cast<size_t>(me)];
+  QuantizedRows& hq = b_->hq_own[static_cast<size_t>(me)];
   // Gate/up: the 32-column blocks of the K experts end to end; expert a's product lands in slot a.
   {
     const int64_t g0 = int64_t{K} * nb * me / nt, g1 = int64_t{K} * nb * (me + 1) / nt;
@@ -519,8 +539,8 @@ void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScrat
       const int c0 = static_cast<int>(std::max(g0, a * nb) - a * nb) * 32;
       const int c1 = static_cast<int>(std::min(g1, (a + 1) * nb) - a * nb) * 32;
       if (c0 == c1) continue;
-      GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{&hq, seq_.data(), 1}, c0, c1,
-                  &sgu_[static_cast<size_t>(a) * 2 * F], sact_.data(), saq_, static_cast<int>(a));
+      GateUpSlice(*gate_up_[e]->quantized(), QuantizedRowSet{&hq, b_->seq.data(), 1}, c0, c1,
+                  &b_->sgu[static_cast<size_t>(a) * 2 * F], b_->sact.data(), b_->saq, static_cast<int>(a));
     }
   }
   s.Barrier();
@@ -533,18 +553,19 @@ void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScrat
       const int c0 = dn.UnitStart(static_cast<int>(std::max(g0, a * H) - a * H));
       const int c1 = dn.UnitStart(static_cast<int>(std::min(g1, (a + 1) * H) - a * H));
       if (c0 == c1) continue;
-      dn.Compute(QuantizedRowSet{&saq_, &seq_[static_cast<size_t>(a)], 1}, c0, c1, &sy_[static_cast<size_t>(a) * H], H);
+      dn.Compute(QuantizedRowSet{&b_->saq, &b_->seq[static_cast<size_t>(a)], 1}, c0, c1,
+                 &b_->sy[static_cast<size_t>(a) * H], H);
     }
   }
   s.Barrier();
-  AddExpertOutputs(x, sy_.data(), r);
+  AddExpertOutputs(x, b_->sy.data(), r);
   s.Barrier();
   if (timer) timer->Mark(pf.ffn_down);
 }
 
 // The experts of ForwardTeam on GEMMs of another kind (bf16, f32): each thread computes its share of every
-// chosen expert's gate/up columns (expert a's in gu_ row a); after a barrier, each expert's SiLU product for
-// itself and its share of the expert's down columns (into y_ row a); after a barrier, its output columns as
+// chosen expert's gate/up columns (expert a's in b_->gu row a); after a barrier, each expert's SiLU product for
+// itself and its share of the expert's down columns (into b_->y row a); after a barrier, its output columns as
 // Forward adds them (experts in increasing index, from zero).
 void MoeSwiGlu::ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerScratch& s) {
   const int H = hidden_, K = m_.n_used, F = m_.expert_ffn;
@@ -552,17 +573,17 @@ void MoeSwiGlu::ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerS
   ForwardProfile& pf = *s.profile;
   PhaseTimer* timer = me == 0 ? s.timer : nullptr;
   for (int a = 0; a < K; ++a) {
-    gate_up_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &gu_[static_cast<size_t>(a) * 2 * F], [](int, int) {});
+    gate_up_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &b_->gu[static_cast<size_t>(a) * 2 * F], [](int, int) {});
   }
   s.Barrier();
   if (timer) timer->Mark(pf.ffn_up);
   for (int a = 0; a < K; ++a) {  // h is the SiLU product from here on
-    const float* g = &gu_[static_cast<size_t>(a) * 2 * F];
+    const float* g = &b_->gu[static_cast<size_t>(a) * 2 * F];
     SiluMul(g, g + F, h, F);
-    down_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &y_[static_cast<size_t>(a) * H], [](int, int) {});
+    down_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &b_->y[static_cast<size_t>(a) * H], [](int, int) {});
   }
   s.Barrier();
-  AddExpertOutputs(x, y_.data(), r);
+  AddExpertOutputs(x, b_->y.data(), r);
   s.Barrier();
   if (timer) timer->Mark(pf.ffn_down);
 }
@@ -570,7 +591,7 @@ void MoeSwiGlu::ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerS
 void MoeSwiGlu::AddExpertOutputs(float* x, const float* ys, const TeamRoute& r) {
   const int H = hidden_, me = omp_get_thread_num(), nt = omp_get_num_threads();
   const int d0 = H * me / nt, d1 = H * (me + 1) / nt;
-  float* acc = &acc_[static_cast<size_t>(d0)];
+  float* acc = &b_->acc[static_cast<size_t>(d0)];
   std::fill(acc, acc + (d1 - d0), 0.0f);
   for (int a = 0; a < m_.n_used; ++a) {
     const float w = r.weights[r.active_k[a]];
