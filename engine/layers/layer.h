@@ -132,7 +132,7 @@ class Layer {
 
 // Scratch that the layers of one model share: they run one after another on the engine thread, so one copy
 // per key (a layer kind and every size its buffers depend on) serves them all, counted once in the model's
-// scratch bytes (T::bytes()). Before, each mixture-of-experts layer held its own ~7.6 MB at 512 batch rows.
+// scratch bytes (T::bytes()); docs/engine.md "Scratch memory".
 class SharedScratch {
  public:
   template <class T, class Make>
