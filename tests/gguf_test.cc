@@ -3,9 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <map>
 #include <random>
 
@@ -17,11 +15,6 @@
 
 namespace qkv {
 namespace {
-
-std::vector<uint8_t> ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 TEST(Gguf, RoundTripsMetadataAndTensors) {
   GgufWriter w;
@@ -284,7 +277,7 @@ TEST(Gguf, FuzzedFilesNeverCrash) {
   ASSERT_TRUE(WriteRandomModel(qcfg, {GgmlType::kF32, 1, "Q4_K_M", {}}, qpath).ok());
   for (const std::string& path : {testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "fuzz_src"), qpath,
                                   testing::WriteModel(testing::SmallConfig(Arch::kDeepseek2), "fuzz_src_mla")}) {
-    const std::vector<uint8_t> good = ReadAll(path);
+    const std::vector<uint8_t> good = testing::ReadAll(path);
     ASSERT_GT(good.size(), 1000u);
     std::mt19937_64 rng(123);
     int parsed_ok = 0, failed = 0, loaded = 0;
@@ -316,8 +309,7 @@ TEST(Gguf, FuzzedFilesNeverCrash) {
       (void)ModelConfig::FromGguf(**f);
       (void)LoadTokenizerFromGguf(**f);
       if (it % 10 == 1) {  // full loads are slower: every tenth corrupted file
-        std::ofstream(mutated, std::ios::binary)
-            .write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+        ASSERT_TRUE(testing::WriteAll(mutated, b));
         ModelOptions mo;
         mo.n_threads = 1;
         mo.max_batch_tokens = 8;

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
@@ -478,6 +477,34 @@ TEST(Model, MoeLayersShareTheirScratch) {
   }
 }
 
+// The same for MLA and Gated DeltaNet layers: a model of 6 layers holds the scratch of one of 2 (each kind
+// once), quantized and bf16 (fails with per-layer buffers).
+TEST(Model, MlaAndDeltaNetLayersShareTheirScratch) {
+  for (Arch arch : {Arch::kDeepseek2, Arch::kQwen35}) {
+    for (const char* preset : {"Q8_0", static_cast<const char*>(nullptr)}) {
+      size_t scratch[2] = {};
+      for (int i = 0; i < 2; ++i) {
+        ModelConfig cfg = testing::SmallConfig(arch);
+        cfg.n_layers = i == 0 ? 2 : 6;
+        if (arch == Arch::kDeepseek2) cfg.n_dense_lead = cfg.n_layers;
+        if (arch == Arch::kQwen35)
+          cfg.recurrent =
+              i == 0 ? std::vector<bool>{true, false} : std::vector<bool>{true, true, false, true, true, false};
+        RandomModelOptions ro;
+        if (preset) ro.preset = preset;
+        const std::string path = ::testing::TempDir() + "/scratch_" + std::string(ArchName(arch)) + "_" +
+                                 std::to_string(cfg.n_layers) + ".gguf";
+        ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
+        auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
+        ASSERT_TRUE(m);
+        scratch[i] = m->scratch_bytes();
+      }
+      EXPECT_GT(scratch[0], 0u);
+      EXPECT_EQ(scratch[0], scratch[1]) << ArchName(arch) << " " << (preset ? preset : "bf16");
+    }
+  }
+}
+
 // A quantized tensor whose block scale is not finite is refused at load with DataLoss naming the tensor, kept
 // quantized or expanded (the check runs on every thread over the tensor's rows; the bad block is in a late
 // row, so that another thread than the first finds it).
@@ -488,16 +515,8 @@ TEST(Model, RefusesAQuantizedTensorWithANonFiniteScale) {
   ro.preset = "Q8_0";
   const std::string good = ::testing::TempDir() + "/finite_ok.gguf", bad = ::testing::TempDir() + "/finite_bad.gguf";
   ASSERT_TRUE(WriteRandomModel(cfg, ro, good).ok());
-  std::vector<uint8_t> bytes;
-  {
-    FILE* f = std::fopen(good.c_str(), "rb");
-    ASSERT_NE(f, nullptr);
-    std::fseek(f, 0, SEEK_END);
-    bytes.resize(static_cast<size_t>(std::ftell(f)));
-    std::fseek(f, 0, SEEK_SET);
-    ASSERT_EQ(std::fread(bytes.data(), 1, bytes.size(), f), bytes.size());
-    std::fclose(f);
-  }
+  std::vector<uint8_t> bytes = testing::ReadAll(good);
+  ASSERT_FALSE(bytes.empty());
   const std::string name = "blk.1.ffn_down.weight";
   {
     auto g = GgufFile::Parse(bytes);
@@ -509,12 +528,7 @@ TEST(Model, RefusesAQuantizedTensorWithANonFiniteScale) {
     const size_t at = static_cast<size_t>(t->data - bytes.data()) + t->nbytes - GgmlBlockBytes(GgmlType::kQ8_0);
     bytes[at] = 0x00, bytes[at + 1] = 0x7c;
   }
-  {
-    FILE* f = std::fopen(bad.c_str(), "wb");
-    ASSERT_NE(f, nullptr);
-    ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
-    std::fclose(f);
-  }
+  ASSERT_TRUE(testing::WriteAll(bad, bytes));
   for (bool keep : {true, false}) {
     ModelOptions mo;
     mo.n_threads = 2;

@@ -1,7 +1,9 @@
 // Helpers shared by the unit tests: temporary files and small random models.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "engine/kernels/cpu.h"
 #include "engine/model_config.h"
@@ -11,6 +13,9 @@ namespace qkv::testing {
 
 // A fresh directory under /tmp removed at exit.
 std::string TempDir();
+// A file's bytes (empty when it cannot be read), and writing them (false when it cannot be written whole).
+std::vector<uint8_t> ReadAll(const std::string& path);
+bool WriteAll(const std::string& path, const std::vector<uint8_t>& bytes);
 // A small model config (GQA 2:1 by default; deepseek2: MLA with a low-rank query path) for tests.
 ModelConfig SmallConfig(Arch arch = Arch::kLlama);
 // Writes a random model for cfg and returns its path.

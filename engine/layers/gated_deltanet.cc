@@ -39,6 +39,14 @@ inline float Sigmoid(float x) { return 1.0f / (1.0f + FastExp(-x)); }
 // llama.cpp's ggml_compute_softplus_f32.
 inline float Softplus(float x) { return x > 20.0f ? x : std::log1p(FastExp(x)); }
 
+// A Gated DeltaNet layer's scratch for max_rows rows (what one step needs, nothing kept between steps):
+// projections, conv outputs (q | k | v, normalized), head outputs, the window on its way to the slot. Shared
+// by the model's layers of the same sizes (SharedScratch).
+struct DeltaNetBuffers {
+  std::vector<float> p, conv, o, win;
+  size_t bytes() const { return sizeof(float) * (p.size() + conv.size() + o.size() + win.size()); }
+};
+
 class GatedDeltaNet final : public Layer {
  public:
   std::string_view kind() const override { return "gated_deltanet"; }
@@ -52,9 +60,8 @@ class GatedDeltaNet final : public Layer {
     f(*out_);
   }
   CacheSpec cache() const override { return {0, la_.state_bytes()}; }
-  size_t scratch_bytes() const override {
-    return 4 * (p_.capacity() + conv_.capacity() + o_.capacity() + win_.capacity());
-  }
+  // (its scratch is shared with the model's other Gated DeltaNet layers: SharedScratch counts it)
+  size_t scratch_bytes() const override { return 0; }
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
@@ -81,7 +88,7 @@ class GatedDeltaNet final : public Layer {
   // Conv input i of a step whose rows start at r0 (i < 0: from the window, which holds the inputs before it).
   const float* Input(int i, int r0, const View& v) const {
     const int ch = la_.conv_channels(), W = la_.conv_kernel - 1;
-    return i < 0 ? v.window + static_cast<size_t>(W + i) * ch : &p_[static_cast<size_t>(r0 + i) * proj_n_];
+    return i < 0 ? v.window + static_cast<size_t>(W + i) * ch : &b_->p[static_cast<size_t>(r0 + i) * proj_n_];
   }
   void ConvRow(int i, int r0, const View& v);
   void MoveWindow(int r0, int n, const View& v);
@@ -93,8 +100,8 @@ class GatedDeltaNet final : public Layer {
   float eps_ = 0;
   std::vector<float> norm_, conv_t_ /* [K][channels] */, dt_bias_, a_, head_norm_;
   std::unique_ptr<Linear> proj_, out_;
-  // Scratch for max_rows rows: projections, conv outputs (q | k | v, normalized), head outputs; the window.
-  std::vector<float> p_, conv_, o_, win_;
+  // Scratch for max_rows rows, sized at load, shared by the model's layers of the same sizes.
+  std::shared_ptr<DeltaNetBuffers> b_;
 };
 
 StatusOr<std::unique_ptr<Layer>> GatedDeltaNet::Make(const LayerInit& in) {
@@ -132,11 +139,20 @@ StatusOr<std::unique_ptr<Layer>> GatedDeltaNet::Make(const LayerInit& in) {
                                             c.hidden, nullptr));
   QKV_ASSIGN_OR_RETURN(L->out_, MakeLinear(in.file, in.gemm, in.weights_dtype, in.keep_quantized,
                                            {{p + "ssm_out.weight", H, 0, c.hidden}}, vd, nullptr));
-  const auto R = static_cast<size_t>(in.max_rows);
-  L->p_.assign(R * L->proj_n_, 0);
-  L->conv_.assign(R * ch, 0);
-  L->o_.assign(R * vd, 0);
-  L->win_.assign(static_cast<size_t>(la.window_floats()), 0);
+  const auto R = static_cast<size_t>(std::max(in.max_rows, 1));
+  auto make = [&] {
+    auto b = std::make_shared<DeltaNetBuffers>();
+    b->p.assign(R * L->proj_n_, 0);
+    b->conv.assign(R * ch, 0);
+    b->o.assign(R * vd, 0);
+    b->win.assign(static_cast<size_t>(la.window_floats()), 0);
+    return b;
+  };
+  // Every size the buffers depend on is in the key, so layers that share them agree on all of them.
+  const std::string key = "deltanet rows " + std::to_string(R) + " proj " + std::to_string(L->proj_n_) + " channels " +
+                          std::to_string(ch) + " v " + std::to_string(vd) + " window " +
+                          std::to_string(la.window_floats());
+  L->b_ = in.shared ? in.shared->Get<DeltaNetBuffers>(key, make) : make();
   return std::unique_ptr<Layer>(std::move(L));
 }
 
@@ -145,7 +161,7 @@ StatusOr<std::unique_ptr<Layer>> GatedDeltaNet::Make(const LayerInit& in) {
 // ggml_l2_norm: x / max(‖x‖, eps)), the query then scaled by 1/sqrt(d_k).
 void GatedDeltaNet::ConvRow(int i, int r0, const View& v) {
   const int K = la_.conv_kernel, ch = la_.conv_channels(), W = K - 1, dk = la_.k_dim;
-  float* y = &conv_[static_cast<size_t>(r0 + i) * ch];
+  float* y = &b_->conv[static_cast<size_t>(r0 + i) * ch];
   for (int cc = 0; cc < ch; ++cc) y[cc] = 0.0f;
   for (int j = 0; j < K; ++j) {
     const float* src = Input(i - W + j, r0, v);
@@ -169,8 +185,8 @@ void GatedDeltaNet::MoveWindow(int r0, int n, const View& v) {
   const int ch = la_.conv_channels(), W = la_.conv_kernel - 1;
   if (W == 0) return;
   for (int i = 0; i < W; ++i)
-    std::memcpy(&win_[static_cast<size_t>(i) * ch], Input(n - W + i, r0, v), sizeof(float) * ch);
-  std::memcpy(v.window, win_.data(), sizeof(float) * static_cast<size_t>(W) * ch);
+    std::memcpy(&b_->win[static_cast<size_t>(i) * ch], Input(n - W + i, r0, v), sizeof(float) * ch);
+  std::memcpy(v.window, b_->win.data(), sizeof(float) * static_cast<size_t>(W) * ch);
 }
 
 // Value head h of one sequence over its n new rows (r0…, positions pos0…).
@@ -183,17 +199,17 @@ void GatedDeltaNet::Head(int h, int r0, int n, int pos0, const View& v) {
   auto key = [&](int chunk0, int s) -> const float* {
     const int p = chunk0 + s;
     if (p < pos0) return v.pk + static_cast<size_t>(s) * k_stride + static_cast<size_t>(kh) * dk;
-    return &conv_[static_cast<size_t>(r0 + p - pos0) * ch + static_cast<size_t>(nk + kh) * dk];
+    return &b_->conv[static_cast<size_t>(r0 + p - pos0) * ch + static_cast<size_t>(nk + kh) * dk];
   };
   std::array<float, kMaxDim> sk, sq;
   std::array<float, kC> coef;
   for (int i = 0; i < n; ++i) {
     const int pos = pos0 + i, j = pos % kC, chunk0 = pos - j;
-    const float* row = &conv_[static_cast<size_t>(r0 + i) * ch];
+    const float* row = &b_->conv[static_cast<size_t>(r0 + i) * ch];
     const float* q = row + static_cast<size_t>(kh) * dk;
     const float* k = row + static_cast<size_t>(nk + kh) * dk;
     const float* vv = row + static_cast<size_t>(2 * nk) * dk + static_cast<size_t>(h) * dv;
-    const float* pr = &p_[static_cast<size_t>(r0 + i) * proj_n_];
+    const float* pr = &b_->p[static_cast<size_t>(r0 + i) * proj_n_];
     const float beta = Sigmoid(pr[b_off_ + h]);
     const float g = Softplus(pr[a_off_ + h] + dt_bias_[h]) * a_[h];
     const float G = (j == 0 ? 0.0f : v.pg[static_cast<size_t>(j - 1) * nv + h]) + g;
@@ -221,7 +237,7 @@ void GatedDeltaNet::Head(int h, int r0, int n, int pos0, const View& v) {
     }
     for (int d = 0; d < dv; ++d) u[d] *= beta;
     // o_j = e^G S₀ᵀq + Σ_{s≤j} e^{G−G_s} (k_s·q) u_s
-    float* o = &o_[static_cast<size_t>(r0 + i) * u_stride + static_cast<size_t>(h) * dv];
+    float* o = &b_->o[static_cast<size_t>(r0 + i) * u_stride + static_cast<size_t>(h) * dv];
     for (int d = 0; d < dv; ++d) o[d] = decay * sq[d];
     for (int s = 0; s <= j; ++s) {
       const float cs =
@@ -254,7 +270,7 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &h[static_cast<size_t>(t) * H], H, eps_);
   });
   s.timer->Mark(pf.norms);
-  s.Gemm(*proj_, h, T, p_.data());
+  s.Gemm(*proj_, h, T, b_->p.data());
   s.timer->Mark(pf.qkv);
 
   // The batch's sequences: their first row and count (a chunk's rows are contiguous).
@@ -281,15 +297,15 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
   for (int ci = 0; ci < n_seq; ++ci) {
     const int pos0 = rows.pos[r0[ci]], n = r0[ci + 1] - r0[ci], end = pos0 + n;
     for (int p = std::max(pos0, end - end % kC); p < end; ++p) {
-      const float* k = &conv_[static_cast<size_t>(r0[ci] + p - pos0) * la_.conv_channels() + k_stride];
+      const float* k = &b_->conv[static_cast<size_t>(r0[ci] + p - pos0) * la_.conv_channels() + k_stride];
       std::memcpy(views[ci].pk + static_cast<size_t>(p % kC) * k_stride, k, sizeof(float) * k_stride);
     }
   }
   // Gated RMSNorm per value head with z, then the output projection.
   const size_t vd = static_cast<size_t>(nv) * dv;
   ParallelRows(T, nthr, [&](int t) {
-    float* o = &o_[static_cast<size_t>(t) * vd];
-    const float* z = &p_[static_cast<size_t>(t) * proj_n_ + z_off_];
+    float* o = &b_->o[static_cast<size_t>(t) * vd];
+    const float* z = &b_->p[static_cast<size_t>(t) * proj_n_ + z_off_];
     for (int hh = 0; hh < nv; ++hh) {
       float* oh = o + static_cast<size_t>(hh) * dv;
       RmsNorm(oh, head_norm_.data(), oh, dv, eps_);
@@ -297,7 +313,7 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
     }
   });
   s.timer->Mark(pf.attention);
-  s.Gemm(*out_, o_.data(), T, s.tmp);
+  s.Gemm(*out_, b_->o.data(), T, s.tmp);
   AddInPlace(x, s.tmp, T * H);
   s.timer->Mark(pf.o);
 }

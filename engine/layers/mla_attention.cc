@@ -22,6 +22,14 @@
 namespace qkv {
 namespace {
 
+// An MLA layer's scratch for max_rows rows (what one step needs, nothing kept between steps): the first
+// GEMM's rows, the low-rank query path, the absorbed queries, the latent outputs, the heads' outputs. Shared
+// by the model's layers of the same sizes (SharedScratch).
+struct MlaBuffers {
+  std::vector<float> a, qa, q, qm, ol, ao;
+  size_t bytes() const { return sizeof(float) * (a.size() + qa.size() + q.size() + qm.size() + ol.size() + ao.size()); }
+};
+
 class MlaAttention final : public Layer {
  public:
   std::string_view kind() const override { return "mla_attention"; }
@@ -45,9 +53,8 @@ class MlaAttention final : public Layer {
   size_t scratch_floats_per_thread(int n_ctx, int block_size) const override {
     return LatentAttentionScratchFloats(nh_, n_ctx, block_size);
   }
-  size_t scratch_bytes() const override {
-    return sizeof(float) * (a_buf_.size() + qa_buf_.size() + q_buf_.size() + qm_.size() + ol_.size() + ao_.size());
-  }
+  // (its scratch is shared with the model's other MLA layers: SharedScratch counts it)
+  size_t scratch_bytes() const override { return 0; }
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
@@ -66,8 +73,8 @@ class MlaAttention final : public Layer {
   // engine's own packed GEMM (strided rows in and out, the same bits at every kernel level); held as bf16
   // or f32 (the weights dtype), also when the file has them quantized.
   std::vector<PackedWeights> k_b_, v_b_;
-  // Scratch for max_rows rows, sized at load.
-  std::vector<float> a_buf_, qa_buf_, q_buf_, qm_, ol_, ao_;
+  // Scratch for max_rows rows, sized at load, shared by the model's layers of the same sizes.
+  std::shared_ptr<MlaBuffers> b_;
 };
 
 StatusOr<std::unique_ptr<Layer>> MlaAttention::Make(const LayerInit& in) {
@@ -136,14 +143,23 @@ StatusOr<std::unique_ptr<Layer>> MlaAttention::Make(const LayerInit& in) {
   }
   QKV_ASSIGN_OR_RETURN(L->o_, mk({{p + "attn_output.weight", H, 0, c.hidden}}, nh * dv));
   const auto rows = static_cast<size_t>(std::max(in.max_rows, 1));
-  L->a_buf_.assign(rows * L->a_n_, 0);
-  if (ql > 0) {
-    L->qa_buf_.assign(rows * ql, 0);
-    L->q_buf_.assign(rows * nh * dk, 0);
-  }
-  L->qm_.assign(rows * nh * (R + P), 0);
-  L->ol_.assign(rows * nh * R, 0);
-  L->ao_.assign(rows * nh * dv, 0);
+  auto make = [&] {
+    auto b = std::make_shared<MlaBuffers>();
+    b->a.assign(rows * L->a_n_, 0);
+    if (ql > 0) {
+      b->qa.assign(rows * ql, 0);
+      b->q.assign(rows * nh * dk, 0);
+    }
+    b->qm.assign(rows * nh * (R + P), 0);
+    b->ol.assign(rows * nh * R, 0);
+    b->ao.assign(rows * nh * dv, 0);
+    return b;
+  };
+  // Every size the buffers depend on is in the key, so layers that share them agree on all of them.
+  const std::string key = "mla rows " + std::to_string(rows) + " a " + std::to_string(L->a_n_) + " q_lora " +
+                          std::to_string(ql) + " heads " + std::to_string(nh) + " qk " + std::to_string(dk) +
+                          " latent " + std::to_string(R) + " rope " + std::to_string(P) + " v " + std::to_string(dv);
+  L->b_ = in.shared ? in.shared->Get<MlaBuffers>(key, make) : make();
   return std::unique_ptr<Layer>(std::move(L));
 }
 
@@ -153,7 +169,7 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   const float eps = static_cast<float>(c_.rms_eps);
   ForwardProfile& pf = *s.profile;
   float* h = s.h;
-  float* a = a_buf_.data();
+  float* a = b_->a.data();
 
   ParallelRows(T, nthr, [&](int t) {
     RmsNorm(&x[static_cast<size_t>(t) * H], norm_.data(), &h[static_cast<size_t>(t) * H], H, eps);
@@ -165,10 +181,10 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   size_t q_stride = static_cast<size_t>(a_n_);
   if (ql > 0) {
     for (int t = 0; t < T; ++t) {
-      RmsNorm(a + static_cast<size_t>(t) * a_n_, q_a_norm_.data(), &qa_buf_[static_cast<size_t>(t) * ql], ql, eps);
+      RmsNorm(a + static_cast<size_t>(t) * a_n_, q_a_norm_.data(), &b_->qa[static_cast<size_t>(t) * ql], ql, eps);
     }
-    s.Gemm(*q_b_, qa_buf_.data(), T, q_buf_.data());
-    q = q_buf_.data();
+    s.Gemm(*q_b_, b_->qa.data(), T, b_->q.data());
+    q = b_->q.data();
     q_stride = static_cast<size_t>(nh) * dk;
   }
   s.timer->Mark(pf.qkv);
@@ -184,7 +200,7 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
     const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
     StoreLatent(*s.kv, kv_layer_, ch.seq->blocks.data(), pos, kv, kv + R);
     for (int hh = 0; hh < nh; ++hh) {
-      float* dst = &qm_[(static_cast<size_t>(t) * nh + hh) * W + R];
+      float* dst = &b_->qm[(static_cast<size_t>(t) * nh + hh) * W + R];
       std::copy_n(q + t * q_stride + static_cast<size_t>(hh) * dk + dn, P, dst);
       if (P > 0) rope_->Apply(dst, pos, style);
     }
@@ -196,7 +212,7 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
 #pragma omp parallel for num_threads(nthr) schedule(dynamic, 1)
   for (int hh = 0; hh < nh; ++hh) {
     k_b_[hh].Compute(q + static_cast<size_t>(hh) * dk, static_cast<int>(q_stride), T, 0, k_b_[hh].panels(),
-                     &qm_[static_cast<size_t>(hh) * W], nh * W);
+                     &b_->qm[static_cast<size_t>(hh) * W], nh * W);
   }
   s.timer->Mark(pf.qkv);
 
@@ -211,17 +227,17 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
     const int h0 = nh * k / chunks, h1 = nh * (k + 1) / chunks;
     const BatchChunk& ch = rows.batch[rows.chunk_of[t]];
     float* scratch = &s.attn_per_thread[s.attn_stride * omp_get_thread_num()];
-    AttendLatent(*s.kv, kv_layer_, ch.seq->blocks.data(), rows.pos[t] + 1, &qm_[static_cast<size_t>(t) * nh * W],
-                 &ol_[static_cast<size_t>(t) * nh * R], h0, h1 - h0, scale_, scratch);
+    AttendLatent(*s.kv, kv_layer_, ch.seq->blocks.data(), rows.pos[t] + 1, &b_->qm[static_cast<size_t>(t) * nh * W],
+                 &b_->ol[static_cast<size_t>(t) * nh * R], h0, h1 - h0, scale_, scratch);
   });
   // Back out of latent space: o_h = W_UV o_lat per head.
 #pragma omp parallel for num_threads(nthr) schedule(dynamic, 1)
   for (int hh = 0; hh < nh; ++hh) {
-    v_b_[hh].Compute(&ol_[static_cast<size_t>(hh) * R], nh * R, T, 0, v_b_[hh].panels(),
-                     &ao_[static_cast<size_t>(hh) * dv], nh * dv);
+    v_b_[hh].Compute(&b_->ol[static_cast<size_t>(hh) * R], nh * R, T, 0, v_b_[hh].panels(),
+                     &b_->ao[static_cast<size_t>(hh) * dv], nh * dv);
   }
   s.timer->Mark(pf.attention);
-  s.Gemm(*o_, ao_.data(), T, s.tmp);
+  s.Gemm(*o_, b_->ao.data(), T, s.tmp);
   AddInPlace(x, s.tmp, T * H);
   s.timer->Mark(pf.o);
 }
