@@ -18,13 +18,17 @@ struct TypeInfo {
   GgmlType t;
   const char* name;
   uint64_t block, bytes;
+  int f16_at[2];  // byte offsets of a block's f16 scale and minimum (−1: none)
 };
 constexpr TypeInfo kTypes[] = {
-    {GgmlType::kF32, "f32", 1, 4},      {GgmlType::kF16, "f16", 1, 2},         {GgmlType::kBF16, "bf16", 1, 2},
-    {GgmlType::kQ4_0, "q4_0", 32, 18},  {GgmlType::kQ4_1, "q4_1", 32, 20},     {GgmlType::kQ5_0, "q5_0", 32, 22},
-    {GgmlType::kQ5_1, "q5_1", 32, 24},  {GgmlType::kQ8_0, "q8_0", 32, 34},     {GgmlType::kQ2_K, "q2_k", QK, 84},
-    {GgmlType::kQ3_K, "q3_k", QK, 110}, {GgmlType::kQ4_K, "q4_k", QK, 144},    {GgmlType::kQ5_K, "q5_k", QK, 176},
-    {GgmlType::kQ6_K, "q6_k", QK, 210}, {GgmlType::kIQ4_NL, "iq4_nl", 32, 18}, {GgmlType::kIQ4_XS, "iq4_xs", QK, 136},
+    {GgmlType::kF32, "f32", 1, 4, {-1, -1}},         {GgmlType::kF16, "f16", 1, 2, {-1, -1}},
+    {GgmlType::kBF16, "bf16", 1, 2, {-1, -1}},       {GgmlType::kQ4_0, "q4_0", 32, 18, {0, -1}},
+    {GgmlType::kQ4_1, "q4_1", 32, 20, {0, 2}},       {GgmlType::kQ5_0, "q5_0", 32, 22, {0, -1}},
+    {GgmlType::kQ5_1, "q5_1", 32, 24, {0, 2}},       {GgmlType::kQ8_0, "q8_0", 32, 34, {0, -1}},
+    {GgmlType::kQ2_K, "q2_k", QK, 84, {80, 82}},     {GgmlType::kQ3_K, "q3_k", QK, 110, {108, -1}},
+    {GgmlType::kQ4_K, "q4_k", QK, 144, {0, 2}},      {GgmlType::kQ5_K, "q5_k", QK, 176, {0, 2}},
+    {GgmlType::kQ6_K, "q6_k", QK, 210, {208, -1}},   {GgmlType::kIQ4_NL, "iq4_nl", 32, 18, {0, -1}},
+    {GgmlType::kIQ4_XS, "iq4_xs", QK, 136, {0, -1}},
 };
 
 const TypeInfo* Info(GgmlType t) {
@@ -610,6 +614,38 @@ uint64_t GgmlBlockSize(GgmlType t) {
 uint64_t GgmlBlockBytes(GgmlType t) {
   const TypeInfo* i = Info(t);
   return i ? i->bytes : 0;
+}
+
+bool GgmlValuesFinite(GgmlType t, const uint8_t* src, int64_t n) {
+  // An f16 or bf16 is not finite when its exponent bits are all ones.
+  auto all_finite16 = [&](uint16_t exp_mask, int64_t count, int64_t stride, int at) {
+    for (int64_t i = 0; i < count; ++i) {
+      uint16_t h;
+      std::memcpy(&h, src + i * stride + at, 2);
+      if ((h & exp_mask) == exp_mask) return false;
+    }
+    return true;
+  };
+  switch (t) {
+    case GgmlType::kF32: {
+      for (int64_t i = 0; i < n; ++i) {
+        float v;
+        std::memcpy(&v, src + 4 * i, 4);
+        if (!std::isfinite(v)) return false;
+      }
+      return true;
+    }
+    case GgmlType::kF16: return all_finite16(0x7c00, n, 2, 0);
+    case GgmlType::kBF16: return all_finite16(0x7f80, n, 2, 0);
+    default: break;
+  }
+  const TypeInfo* info = Info(t);
+  if (!info) return false;
+  const auto blocks = n / static_cast<int64_t>(info->block), bb = static_cast<int64_t>(info->bytes);
+  for (int at : info->f16_at) {
+    if (at >= 0 && !all_finite16(0x7c00, blocks, bb, at)) return false;
+  }
+  return true;
 }
 
 GgmlType GgmlFallbackType(GgmlType t, uint64_t ncols) {

@@ -58,6 +58,10 @@ uint32_t GgmlFileType(GgmlType t);
 
 // n values (a multiple of the block size) from `src` in type t to f32.
 void DequantizeRow(GgmlType t, const uint8_t* src, int64_t n, float* dst);
+// Whether the n values (a multiple of the block size) at `src` in type t are all finite, without expanding
+// them: for the block types, whether every block's f16 scales (and minimums) are; the rest of a block is
+// small integers, so a value is finite exactly when they are.
+bool GgmlValuesFinite(GgmlType t, const uint8_t* src, int64_t n);
 // n values to type t (our own encoders: for each block, the scales that minimise the squared error
 // among a search of candidates that includes ggml's reference choice).
 void QuantizeRow(GgmlType t, const float* src, int64_t n, uint8_t* dst);

@@ -62,6 +62,42 @@ TEST(Quant, RoundTripErrorPerType) {
   }
 }
 
+// GgmlValuesFinite reads only the blocks' f16 scales; it must agree with expanding the values. Every 2-byte
+// position of a block in turn is set to +inf and then NaN as an f16 (a scale or a run of quantized bits):
+// the check says "not finite" exactly when DequantizeRow gives a non-finite value. Also f32/f16/bf16.
+TEST(Quant, FiniteCheckAgreesWithDequantize) {
+  const int k = 512;
+  const auto x = Normal(k, 7);
+  auto all_finite = [&](GgmlType t, const std::vector<uint8_t>& q) {
+    std::vector<float> y(k);
+    DequantizeRow(t, q.data(), k, y.data());
+    for (float v : y)
+      if (!std::isfinite(v)) return false;
+    return true;
+  };
+  std::vector<GgmlType> types(std::begin(kQuantTypes), std::end(kQuantTypes));
+  types.insert(types.end(), {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16});
+  for (GgmlType t : types) {
+    SCOPED_TRACE(GgmlTypeName(t));
+    const auto q = Encode(t, x, 1, k);
+    ASSERT_TRUE(all_finite(t, q));
+    EXPECT_TRUE(GgmlValuesFinite(t, q.data(), k));
+    const uint64_t bb = GgmlBlockBytes(t);
+    int non_finite_positions = 0;
+    // the positions of the last block (the check must look at every block, not only the first)
+    for (uint64_t at = q.size() - std::max<uint64_t>(bb, 4); at + 2 <= q.size(); at += 2) {
+      for (uint16_t bad : {uint16_t{0x7c00}, uint16_t{0x7e00}, uint16_t{0x7f80}, uint16_t{0x7fc0}}) {
+        std::vector<uint8_t> m = q;
+        std::memcpy(&m[at], &bad, 2);
+        const bool want = all_finite(t, m);
+        EXPECT_EQ(GgmlValuesFinite(t, m.data(), k), want) << "byte " << at << " = " << bad;
+        non_finite_positions += !want;
+      }
+    }
+    EXPECT_GT(non_finite_positions, 0);
+  }
+}
+
 // Our Q4_0 / Q5_0 encoders search scales that include ggml's reference choice (d = max / −8 or −16, values
 // rounded half up), so no block is worse than the reference.
 TEST(Quant, EncoderNoWorseThanGgmlReferencePerBlock) {
