@@ -31,6 +31,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
                            " (the model's batch limit)");
   }
   if (opt.max_num_seqs < 1) return InvalidArgument("max_num_seqs must be positive");
+  // Every chunk of a step wants at least one row of logits, and a step has at most min(max_num_seqs,
+  // max_num_batched_tokens) chunks: each running sequence must be able to take a step.
+  if (std::min(opt.max_num_seqs, opt.max_num_batched_tokens) > model.max_logit_rows()) {
+    return InvalidArgument("max_num_seqs (" + std::to_string(opt.max_num_seqs) + ") exceeds the model's " +
+                           std::to_string(model.max_logit_rows()) + " rows of logits (max_logit_rows)");
+  }
   if (opt.default_max_tokens < 1) return InvalidArgument("default max_tokens must be positive");
   // The cache stores the model's layers need; the scheduler owns them from here on.
   QKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheStores> cache, CacheStores::Create(model.cache_layout()));
@@ -44,7 +50,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
 Engine::Engine(Model& model, const EngineOptions& opt, std::unique_ptr<CacheStores> cache)
     : model_(model),
       opt_(opt),
-      scheduler_(std::move(cache), {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching}) {
+      scheduler_(std::move(cache),
+                 {opt.max_num_batched_tokens, opt.max_num_seqs, opt.prefix_caching, model.max_logit_rows()}) {
   // Fault injection for the reliability tests (docs/server.md): QKV_FAULT_INJECT=throw_on_step=N makes
   // forward step N throw (as an allocation failure would); stall_on_step=N:SECONDS makes it hang that long.
   if (const char* f = std::getenv("QKV_FAULT_INJECT"); f && *f) {

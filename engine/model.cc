@@ -69,6 +69,10 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     return InvalidArgument("max batch tokens must be in 1..65536");
   }
   if (opt.block_size < 1 || opt.block_size > 1024) return InvalidArgument("block size must be in 1..1024");
+  if (opt.max_logit_rows < 0 || opt.max_logit_rows > opt.max_batch_tokens) {
+    return InvalidArgument("max logit rows must be in 0..max batch tokens (" + std::to_string(opt.max_batch_tokens) +
+                           "); 0 means max batch tokens");
+  }
   auto m = std::unique_ptr<Model>(new Model());
   m->opt_ = opt;
   {
@@ -91,6 +95,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
         c.rotary_dim, c.rope_theta, m->max_ctx_,
         RopeScale{rp.freq_scale, rp.yarn, rp.orig_ctx, rp.beta_fast, rp.beta_slow, rp.magnitude});
     m->rows_cap_ = (opt.max_batch_tokens + kTileRows - 1) / kTileRows * kTileRows;
+    m->logit_rows_cap_ = opt.max_logit_rows > 0 ? opt.max_logit_rows : opt.max_batch_tokens;
     QKV_RETURN_IF_ERROR(m->LoadWeights(*f));
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), m->weights_summary(),
@@ -190,7 +195,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   m->tmp_.assign(R * c.hidden, 0);
   m->gu_.assign(R * 2 * c.ffn, 0);
   m->act_.assign(R * c.ffn, 0);
-  m->logits_.assign(R * c.vocab, 0);
+  m->logits_.assign(static_cast<size_t>(m->logit_rows_cap_) * c.vocab, 0);
   // Only layers on oneDNN's bf16 GEMM take bf16 input; the packed and AMX GEMMs read the f32 activations.
   if (m->rt_->any_bf16_input()) {
     int widest = std::max({c.hidden, c.q_dim(), c.ffn});
@@ -228,7 +233,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
                                                       "GEMM has a team step, or QKV_TEAM_STEP=0)");
   m->tok_chunk_.resize(opt.max_batch_tokens);
   m->tok_pos_.resize(opt.max_batch_tokens);
-  m->logit_src_.resize(opt.max_batch_tokens);
+  m->logit_src_.resize(m->logit_rows_cap_);
   return m;
 }
 
@@ -355,6 +360,11 @@ Status Model::CheckChunk(const BatchChunk& ch) const {
   if (static_cast<int64_t>(ch.seq->blocks.size()) * opt_.block_size < end) {
     return FailedPrecondition("forward: KV blocks not reserved for the chunk");
   }
+  if (ch.all_logits && static_cast<int>(ch.tokens.size()) > logit_rows_cap_) {
+    return InvalidArgument("forward: a chunk of " + std::to_string(ch.tokens.size()) +
+                           " tokens wants logits for each, more than the " + std::to_string(logit_rows_cap_) +
+                           " rows of max_logit_rows");
+  }
   for (int t : ch.tokens) {
     if (t < 0 || t >= cfg_.vocab)
       return InvalidArgument("forward: token id " + std::to_string(t) + " out of vocabulary");
@@ -372,7 +382,7 @@ Status Model::Forward(std::span<const BatchChunk> batch, CacheStores& cache) {
     return InvalidArgument("forward: the cache stores were not made for this model's cache layout");
   }
   // Validate the whole batch before touching anything.
-  int T = 0;
+  int T = 0, wanted = 0;
   for (size_t ci = 0; ci < batch.size(); ++ci) {
     const BatchChunk& ch = batch[ci];
     if (!ch.seq || ch.tokens.empty()) return InvalidArgument("forward: empty chunk");
@@ -385,6 +395,11 @@ Status Model::Forward(std::span<const BatchChunk> batch, CacheStores& cache) {
     }
     if (T + static_cast<int>(ch.tokens.size()) > opt_.max_batch_tokens) {
       return InvalidArgument("forward: batch exceeds " + std::to_string(opt_.max_batch_tokens) + " tokens");
+    }
+    wanted += ch.all_logits ? static_cast<int>(ch.tokens.size()) : 1;
+    if (wanted > logit_rows_cap_) {
+      return InvalidArgument("forward: batch wants more than " + std::to_string(logit_rows_cap_) +
+                             " rows of logits (max_logit_rows)");
     }
     for (size_t i = 0; i < ch.tokens.size(); ++i) {
       tok_chunk_[T] = static_cast<int>(ci);

@@ -31,7 +31,10 @@ struct ModelOptions {
   DType kv_dtype = DType::kBF16;
   int n_threads = 2;
   int max_batch_tokens = 512;  // tokens in one forward pass
-  int max_context = 0;         // 0: the model's context length
+  // Rows of logits one forward pass may want (a chunk's last token, or every token of an all_logits chunk);
+  // 0: max_batch_tokens. The logits buffer is this many rows × vocab (65.5 MB at 512 rows of 32,000).
+  int max_logit_rows = 0;
+  int max_context = 0;  // 0: the model's context length
   int block_size = 16;
   // KV arena size, in order of precedence: kv_blocks if > 0; else kv_cache_bytes if > 0; else, if
   // kv_cache_bytes == kAutoKvBytes, a quarter of MemAvailable (after the weights) capped at 8 GiB and at
@@ -59,6 +62,8 @@ class Model {
   // Forward is handed them.
   const CacheLayout& cache_layout() const { return layout_; }
   int max_context() const { return max_ctx_; }
+  // Rows of logits one Forward may want (ModelOptions::max_logit_rows, resolved).
+  int max_logit_rows() const { return logit_rows_cap_; }
   // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.
   size_t weight_bytes() const { return weight_bytes_; }
   // How the weights are held, e.g. "bf16", "f32", "q4_k+q6_k (quantized) + bf16".
@@ -122,6 +127,7 @@ class Model {
 
   // Scratch, sized at load.
   int rows_cap_ = 0;
+  int logit_rows_cap_ = 0;
   std::vector<float> x_, h_, qkv_, attn_, tmp_, gu_, act_, logits_;
   std::vector<uint16_t> in_lp_;
   std::vector<float> attn_scratch_;  // per thread

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace qkv {
 
@@ -285,11 +286,15 @@ StepPlan Scheduler::PlanStep(const Evictor& evict) {
     return a->id < b->id;
   });
   int budget = opt_.max_num_batched_tokens;
+  int logit_rows = opt_.max_logit_rows > 0 ? opt_.max_logit_rows : std::numeric_limits<int>::max();
   for (Sequence* s : order) {
-    if (budget == 0) break;
+    if (budget == 0 || logit_rows == 0) break;
     if (std::find(plan.preempted.begin(), plan.preempted.end(), s) != plan.preempted.end()) continue;
     int n = std::min(s->pending(), budget);
     if (n <= 0) continue;
+    // Prompt logprobs: a row of logits per token, so the chunk stops where the step's rows run out.
+    const bool all_logits = s->params.prompt_logprobs && s->ctx.kv.n_tokens < s->n_prompt;
+    if (all_logits) n = std::min(n, logit_rows);
     // A model that keeps state: stop the chunk at the snapshot boundary, so that the state there is seen.
     if (const int b = NextSnapshotBoundary(*s); b > 0 && s->ctx.kv.n_tokens + n > b) {
       n = b - s->ctx.kv.n_tokens;
@@ -299,10 +304,11 @@ StepPlan Scheduler::PlanStep(const Evictor& evict) {
     c.seq = s;
     c.n_tokens = n;
     c.sample = s->ctx.kv.n_tokens + n == static_cast<int>(s->ctx.tokens.size());
-    c.all_logits = s->params.prompt_logprobs && s->ctx.kv.n_tokens < s->n_prompt;
+    c.all_logits = all_logits;
     plan.chunks.push_back(c);
     plan.n_tokens += n;
     budget -= n;
+    logit_rows -= all_logits ? n : 1;
   }
   // Preempted sequences lost their KV; they go back to the front of the queue and recompute later.
   for (Sequence* s : plan.preempted) {

@@ -28,6 +28,9 @@ struct SchedulerOptions {
   int max_num_batched_tokens = 512;
   int max_num_seqs = 64;
   bool prefix_caching = true;
+  // Rows of logits a step may want (Model::max_logit_rows): a chunk takes one, a prompt-logprobs chunk one
+  // per token and is cut to what is left. 0: no limit.
+  int max_logit_rows = 0;
 };
 
 struct ScheduledChunk {

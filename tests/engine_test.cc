@@ -19,7 +19,7 @@ namespace {
 
 struct Result {
   std::vector<int> tokens;
-  std::vector<float> logprobs;
+  std::vector<float> logprobs, prompt_logprobs;
   std::string text;
   StreamEvent final;
 };
@@ -31,6 +31,7 @@ Result Drain(const std::shared_ptr<RequestStream>& s) {
     EXPECT_TRUE(s->Next(&e, std::chrono::seconds(60))) << "stream stalled";
     r.tokens.insert(r.tokens.end(), e.token_ids.begin(), e.token_ids.end());
     for (const auto& lp : e.logprobs) r.logprobs.push_back(lp.logprob);
+    r.prompt_logprobs.insert(r.prompt_logprobs.end(), e.prompt_logprobs.begin(), e.prompt_logprobs.end());
     r.text += e.text;
     if (e.final) {
       r.final = e;
@@ -45,7 +46,7 @@ Result Drain(const std::shared_ptr<RequestStream>& s) {
 class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
  protected:
   void Start(int64_t kv_blocks = 256, int max_batched = 64, int block_size = 16, bool prefix = true,
-             int state_slots = 0) {
+             int state_slots = 0, int max_logit_rows = 0) {
     cfg_ = testing::SmallConfig(std::get<0>(GetParam()));
     const std::string path = testing::WriteModel(cfg_, std::string("engine_model_") + ArchName(cfg_.arch), 5);
     ModelOptions mo;
@@ -55,6 +56,7 @@ class EngineTest : public ::testing::TestWithParam<std::tuple<Arch, DType>> {
     mo.block_size = block_size;
     mo.kv_dtype = std::get<1>(GetParam());
     mo.state_slots = state_slots;
+    mo.max_logit_rows = max_logit_rows;
     auto m = Model::Load(path, mo);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     model_ = std::move(*m);
@@ -517,6 +519,50 @@ TEST_P(EngineTest, SharedPrefixIsReusedThroughASnapshot) {
   EXPECT_EQ(cached[2], 48);
   EXPECT_EQ(cached[3], 48);
   EXPECT_EQ(engine_->CheckConsistency(), "");
+}
+
+// Prompt logprobs want a row of logits per token: with fewer rows than the batch limit (max_logit_rows), the
+// scheduler cuts such a prompt into chunks of what is left of a step's rows. The bits are those of the
+// uncut model, alone and among other requests; an engine that could not give each sequence a row is refused.
+TEST_P(EngineTest, PromptLogprobsAreCutToTheLogitRows) {
+  auto request = [&](int n, int salt) {
+    GenerateParams p = Greedy(Prompt(n, salt), 3);
+    p.prompt_logprobs = true;
+    return p;
+  };
+  Start();  // 64 rows: the batch limit
+  std::vector<Result> ref;
+  for (int i = 0; i < 4; ++i) ref.push_back(Run(request(100 + 13 * i, i)));
+  ASSERT_EQ(ref[0].prompt_logprobs.size(), 100u);
+  engine_.reset();
+  Start(256, 64, 16, true, 0, /*max_logit_rows=*/16);
+  EXPECT_EQ(model_->max_logit_rows(), 16);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 4; ++i) {
+    auto st = engine_->Submit(request(100 + 13 * i, i));
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    streams.push_back(*st);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Result r = Drain(streams[static_cast<size_t>(i)]);
+    // (bit patterns: the first prompt token has no logprob, a NaN)
+    auto bits = [](const std::vector<float>& v) {
+      std::vector<uint32_t> b(v.size());
+      std::memcpy(b.data(), v.data(), sizeof(float) * v.size());
+      return b;
+    };
+    EXPECT_EQ(bits(r.prompt_logprobs), bits(ref[static_cast<size_t>(i)].prompt_logprobs)) << i;
+    EXPECT_EQ(r.logprobs, ref[static_cast<size_t>(i)].logprobs) << i;
+    EXPECT_EQ(r.tokens, ref[static_cast<size_t>(i)].tokens) << i;
+  }
+  EXPECT_EQ(engine_->CheckConsistency(), "");
+  EngineOptions eo;
+  eo.max_num_batched_tokens = 64;
+  eo.max_num_seqs = 17;  // more sequences than rows of logits
+  auto refused = Engine::Create(*model_, eo);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("max_num_seqs"), std::string::npos) << refused.status().message();
 }
 
 TEST_P(EngineTest, NamespacesIsolateSessionsAndPrefixes) {

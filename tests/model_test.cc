@@ -41,8 +41,10 @@ void ReleaseAll(Model& m, SeqKv& seq) {
   ReleaseStateSlot(seq, CacheFor(m).states());
 }
 
-std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batch = 256, int64_t blocks = 0) {
+std::unique_ptr<Model> Load(const std::string& path, DType w, DType kv, int batch = 256, int64_t blocks = 0,
+                            int logit_rows = 0) {
   ModelOptions mo;
+  mo.max_logit_rows = logit_rows;
   mo.weights_dtype = w;
   mo.kv_dtype = kv;
   mo.n_threads = 2;
@@ -503,6 +505,56 @@ TEST(Model, MlaAndDeltaNetLayersShareTheirScratch) {
       EXPECT_EQ(scratch[0], scratch[1]) << ArchName(arch) << " " << (preset ? preset : "bf16");
     }
   }
+}
+
+// The logits buffer holds max_logit_rows rows (not max_batch_tokens): the rows it has give the bits of the
+// uncapped model, and a batch that wants more rows (an all-logits chunk longer than the cap, more chunks than
+// rows) is refused with InvalidArgument naming the option, before anything is computed.
+TEST(Model, LogitRowsAreCapped) {
+  const ModelConfig cfg = testing::SmallConfig(Arch::kLlama);
+  const auto path = testing::WriteModel(cfg, "logit_rows");
+  auto full = Load(path, DType::kF32, DType::kF32, 64, 64);
+  auto capped = Load(path, DType::kF32, DType::kF32, 64, 64, /*logit_rows=*/4);
+  ASSERT_TRUE(full && capped);
+  EXPECT_EQ(capped->max_logit_rows(), 4);
+  EXPECT_EQ(full->max_logit_rows(), 64);
+  EXPECT_EQ(full->scratch_bytes() - capped->scratch_bytes(), sizeof(float) * 60 * cfg.vocab);
+  const std::vector<int> p = Prompt(12, cfg.vocab);
+  SeqKv a, b;
+  const std::vector<float> want = Feed(*full, a, p, true);
+  ASSERT_TRUE(ReserveAll(*capped, b, 12).ok());
+  {  // 5 rows wanted of 4: refused, and the sequence is untouched
+    BatchChunk ch{&b, std::span<const int>(p.data(), 5), true};
+    const Status st = capped->Forward(std::span<const BatchChunk>(&ch, 1), CacheFor(*capped));
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("max_logit_rows"), std::string::npos) << st.message();
+    EXPECT_EQ(b.n_tokens, 0);
+  }
+  const std::vector<float> got = Feed(*capped, b, p, true, 4);
+  EXPECT_EQ(got, want);
+  {  // five sequences of one token each: five rows
+    std::vector<SeqKv> seqs(5);
+    std::vector<BatchChunk> batch;
+    for (SeqKv& s : seqs) {
+      ASSERT_TRUE(ReserveAll(*capped, s, 1).ok());
+      batch.push_back({&s, std::span<const int>(p.data(), 1), false});
+    }
+    const Status st = capped->Forward(batch, CacheFor(*capped));
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("max_logit_rows"), std::string::npos) << st.message();
+    batch.pop_back();
+    EXPECT_TRUE(capped->Forward(batch, CacheFor(*capped)).ok());
+    for (SeqKv& s : seqs) ReleaseAll(*capped, s);
+  }
+  ReleaseAll(*full, a);
+  ReleaseAll(*capped, b);
+  ModelOptions mo;
+  mo.max_batch_tokens = 64;
+  mo.max_logit_rows = 65;
+  const auto bad = Model::Load(path, mo);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("max logit rows"), std::string::npos);
 }
 
 // A quantized tensor whose block scale is not finite is refused at load with DataLoss naming the tensor, kept

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Same bits through the server: a request's logprobs (and its prompt logprobs) are bit-identical alone and
 among 15 concurrent requests of other lengths, and with the prompt sent in one step or spread over several
-(a small --max-num-batched-tokens), for bf16 and f32 weights, quantized (Q4_K_M) weights, and with an int8 KV
-cache, and on an MLA model. Run once per instruction-set level by tests/isa_level_test.sh, which also caps the engine's own kernels
+(a small --max-num-batched-tokens, or a small --max-logit-rows), for bf16 and f32 weights, quantized (Q4_K_M)
+weights, and with an int8 KV cache, and on an MLA model. Run once per instruction-set level by tests/isa_level_test.sh, which also caps the engine's own kernels
 (QKV_MAX_ISA): GetModelInfo must report the capped level."""
 import concurrent.futures
 import os
@@ -56,6 +56,9 @@ class SameBitsTest(unittest.TestCase):
                 whole = self.check("--weights-dtype", dtype, "--kv-dtype", kv)
                 chunked = self.check("--weights-dtype", dtype, "--kv-dtype", kv, "--max-num-batched-tokens", "16")
                 self.assertEqual(chunked, whole, "prompt chunking changed the bits")
+                if dtype == "bf16" and kv == "bf16":  # prompt logprobs cut to 16 rows of logits a step
+                    capped = self.check("--max-logit-rows", "16", "--max-num-seqs", "16")
+                    self.assertEqual(capped, whole, "cutting prompts to the rows of logits changed the bits")
 
     def test_quantized_weights(self):
         src = make_model("samebits", arch="qwen2", vocab=512, ctx=256, seed=11)
