@@ -34,8 +34,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
   // Every chunk of a step wants at least one row of logits, and a step has at most min(max_num_seqs,
   // max_num_batched_tokens) chunks: each running sequence must be able to take a step.
   if (std::min(opt.max_num_seqs, opt.max_num_batched_tokens) > model.max_logit_rows()) {
-    return InvalidArgument("max_num_seqs (" + std::to_string(opt.max_num_seqs) + ") exceeds the model's " +
-                           std::to_string(model.max_logit_rows()) + " rows of logits (max_logit_rows)");
+    const bool seqs = opt.max_num_seqs <= opt.max_num_batched_tokens;
+    return InvalidArgument(std::string(seqs ? "max_num_seqs" : "max_num_batched_tokens") + " (" +
+                           std::to_string(seqs ? opt.max_num_seqs : opt.max_num_batched_tokens) +
+                           ") exceeds the model's " + std::to_string(model.max_logit_rows()) +
+                           " rows of logits (max_logit_rows)");
   }
   if (opt.default_max_tokens < 1) return InvalidArgument("default max_tokens must be positive");
   // The cache stores the model's layers need; the scheduler owns them from here on.

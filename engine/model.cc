@@ -103,6 +103,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   spdlog::info("gemm: cpu isa {} (own kernels {}); compute dtype {}; {}", GemmRuntime::CpuIsa(),
                KernelIsaName(ActiveKernelIsa()), DTypeName(m->compute_dtype()), m->rt_->Summary());
   for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
+  if (const WeightsArena& a = *m->rt_->weights_arena(); a.used_bytes() > 0) {
+    spdlog::info("weights arena: {:.1f} MB of weights in {:.1f} MB of regions, {} (transparent huge pages: {})",
+                 a.used_bytes() / 1e6, a.held_bytes() / 1e6,
+                 a.huge_pages() ? "advised for huge pages" : "not advised (QKV_HUGE_PAGES=0)", ThpMode());
+  }
   const ModelConfig& c = m->cfg_;
   // The cache the layers need: one arena layer of the paged token store per layer kind that caches per
   // token, and state slots if any kind keeps per-sequence state. Sized here; the scheduler allocates it.
@@ -244,7 +249,7 @@ Status Model::LoadWeights(const GgufFile& f) {
   QKV_ASSIGN_OR_RETURN(final_norm_, ReadTensor(f, "output_norm.weight", {H}));
   const auto V = static_cast<uint64_t>(c.vocab);
   if (opt_.keep_quantized) {
-    QKV_ASSIGN_OR_RETURN(embed_q_, ReadQuantized(f, "token_embd.weight", V, H));
+    QKV_ASSIGN_OR_RETURN(embed_q_, ReadQuantized(f, "token_embd.weight", V, H, rt_->weights_arena()));
   }
   if (c.tied_embeddings && embed_q_) {
     QKV_ASSIGN_OR_RETURN(lm_head_, Linear::CreateQuantized(*rt_, embed_q_));
@@ -295,6 +300,15 @@ Status Model::LoadWeights(const GgufFile& f) {
     }
   }
   return {};
+}
+
+size_t Model::weight_memory_bytes() const {
+  const WeightsArena& a = *rt_->weights_arena();
+  return weight_bytes_ + a.held_bytes() - std::min(a.held_bytes(), a.used_bytes());
+}
+
+size_t Model::weight_heap_bytes() const {
+  return weight_bytes_ - std::min(weight_bytes_, rt_->weights_arena()->used_bytes());
 }
 
 size_t Model::scratch_bytes() const {

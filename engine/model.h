@@ -66,6 +66,10 @@ class Model {
   int max_logit_rows() const { return logit_rows_cap_; }
   // Bytes of converted weights (linear layers, embeddings, norms) as held in memory.
   size_t weight_bytes() const { return weight_bytes_; }
+  // What the weights hold in memory: weight_bytes() plus the slack of the arena the quantized ones live in
+  // (kernels/weights_arena.h), and of those bytes the ones outside it (in the C allocator's heap).
+  size_t weight_memory_bytes() const;
+  size_t weight_heap_bytes() const;
   // How the weights are held, e.g. "bf16", "f32", "q4_k+q6_k (quantized) + bf16".
   std::string weights_summary() const;
   // Bytes the LM head, QKV/O/FFN GEMMs read per decoded token (the bandwidth roofline's numerator).

@@ -563,6 +563,13 @@ TEST_P(EngineTest, PromptLogprobsAreCutToTheLogitRows) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("max_num_seqs"), std::string::npos) << refused.status().message();
+  // The message names the smaller of the two limits.
+  eo.max_num_batched_tokens = 17;
+  eo.max_num_seqs = 64;
+  refused = Engine::Create(*model_, eo);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("max_num_batched_tokens (17)"), std::string::npos)
+      << refused.status().message();
 }
 
 TEST_P(EngineTest, NamespacesIsolateSessionsAndPrefixes) {

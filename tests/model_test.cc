@@ -11,6 +11,7 @@
 #include "engine/bf16.h"
 #include "engine/block_manager.h"
 #include "engine/gguf.h"
+#include "engine/kernels/weights_arena.h"
 #include "engine/random_model.h"
 #include "engine/sampler.h"
 #include "tests/test_util.h"
@@ -456,53 +457,74 @@ TEST(Model, ValuesAreNotRotated) {
   }
 }
 
-// The experts' scratch is held once per model (SharedScratch), not once per layer: a mixture-of-experts model
-// with 6 layers reports the scratch of one with 2, quantized (the fused path's buffers) and not.
-TEST(Model, MoeLayersShareTheirScratch) {
-  for (const char* preset : {"Q4_K_M", static_cast<const char*>(nullptr)}) {
+// Scratch is held once per model (SharedScratch), not once per layer: a model with 6 layers of a kind reports
+// the scratch of one with 2 — MoE (the fused quantized path's buffers and the bf16 one's), MLA and Gated
+// DeltaNet, quantized and not (each case fails with per-layer buffers).
+TEST(Model, LayersShareTheirScratch) {
+  struct Case {
+    Arch arch;
+    const char* preset;  // nullptr: bf16
+  };
+  for (const Case& k : {Case{Arch::kQwen3Moe, "Q4_K_M"}, Case{Arch::kQwen3Moe, nullptr}, Case{Arch::kDeepseek2, "Q8_0"},
+                        Case{Arch::kDeepseek2, nullptr}, Case{Arch::kQwen35, "Q8_0"}, Case{Arch::kQwen35, nullptr}}) {
     size_t scratch[2] = {};
     for (int i = 0; i < 2; ++i) {
-      ModelConfig cfg = testing::SmallConfig(Arch::kQwen3Moe);
-      cfg.hidden = 256, cfg.head_dim = 32, cfg.rotary_dim = 32;
-      cfg.moe.n_experts = 8, cfg.moe.n_used = 3, cfg.moe.expert_ffn = 256;
+      ModelConfig cfg = testing::SmallConfig(k.arch);
       cfg.n_layers = i == 0 ? 2 : 6;
+      if (k.arch == Arch::kQwen3Moe) {
+        cfg.hidden = 256, cfg.head_dim = 32, cfg.rotary_dim = 32;
+        cfg.moe.n_experts = 8, cfg.moe.n_used = 3, cfg.moe.expert_ffn = 256;
+      }
+      if (k.arch == Arch::kDeepseek2) cfg.n_dense_lead = cfg.n_layers;
+      if (k.arch == Arch::kQwen35) {
+        cfg.recurrent =
+            i == 0 ? std::vector<bool>{true, false} : std::vector<bool>{true, true, false, true, true, false};
+      }
       RandomModelOptions ro;
-      if (preset) ro.preset = preset;
-      const std::string path = ::testing::TempDir() + "/moe_scratch_" + std::to_string(cfg.n_layers) + ".gguf";
+      if (k.preset) ro.preset = k.preset;
+      const std::string path = ::testing::TempDir() + "/scratch_" + std::string(ArchName(k.arch)) + "_" +
+                               (k.preset ? k.preset : "bf16") + "_" + std::to_string(cfg.n_layers) + ".gguf";
       ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
       auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
       ASSERT_TRUE(m);
       scratch[i] = m->scratch_bytes();
     }
     EXPECT_GT(scratch[0], 0u);
-    EXPECT_EQ(scratch[0], scratch[1]) << (preset ? preset : "bf16");
+    EXPECT_EQ(scratch[0], scratch[1]) << ArchName(k.arch) << " " << (k.preset ? k.preset : "bf16");
   }
 }
 
-// The same for MLA and Gated DeltaNet layers: a model of 6 layers holds the scratch of one of 2 (each kind
-// once), quantized and bf16 (fails with per-layer buffers).
-TEST(Model, MlaAndDeltaNetLayersShareTheirScratch) {
-  for (Arch arch : {Arch::kDeepseek2, Arch::kQwen35}) {
-    for (const char* preset : {"Q8_0", static_cast<const char*>(nullptr)}) {
-      size_t scratch[2] = {};
-      for (int i = 0; i < 2; ++i) {
-        ModelConfig cfg = testing::SmallConfig(arch);
-        cfg.n_layers = i == 0 ? 2 : 6;
-        if (arch == Arch::kDeepseek2) cfg.n_dense_lead = cfg.n_layers;
-        if (arch == Arch::kQwen35)
-          cfg.recurrent =
-              i == 0 ? std::vector<bool>{true, false} : std::vector<bool>{true, true, false, true, true, false};
-        RandomModelOptions ro;
-        if (preset) ro.preset = preset;
-        const std::string path = ::testing::TempDir() + "/scratch_" + std::string(ArchName(arch)) + "_" +
-                                 std::to_string(cfg.n_layers) + ".gguf";
-        ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
-        auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
-        ASSERT_TRUE(m);
-        scratch[i] = m->scratch_bytes();
+// A model's GEMM weights live in its arena, in regions advised for huge pages, quantized or bf16; the
+// weights' memory counts the arena's slack (less than a huge page here: GEMMs tried and dropped at load give
+// their space back).
+TEST(Model, WeightsLiveInTheHugePageArena) {
+  ModelConfig cfg = testing::SmallConfig(Arch::kQwen3Moe);
+  cfg.hidden = 256, cfg.head_dim = 32, cfg.rotary_dim = 32;
+  cfg.moe.n_experts = 8, cfg.moe.n_used = 3, cfg.moe.expert_ffn = 256;
+  for (const char* preset : {"Q4_K_M", static_cast<const char*>(nullptr)}) {
+    RandomModelOptions ro;
+    if (preset) ro.preset = preset;
+    const std::string path = ::testing::TempDir() + "/arena_" + (preset ? preset : "bf16") + ".gguf";
+    ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
+    auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
+    ASSERT_TRUE(m);
+    const WeightsArena& arena = *m->gemm().weights_arena();
+    if (preset) {  // everything but the norms (f32, a few KB) is quantized here
+      EXPECT_GT(arena.used_bytes(), m->weight_bytes() * 95 / 100);
+    } else {  // the GEMMs' bf16 weights are in the arena, the embedding rows on the heap
+      EXPECT_GT(arena.used_bytes(), 0u);
+      EXPECT_GE(m->weight_heap_bytes(), static_cast<size_t>(cfg.vocab) * cfg.hidden * 2);
+    }
+    EXPECT_EQ(m->weight_heap_bytes(), m->weight_bytes() - arena.used_bytes());
+    EXPECT_EQ(m->weight_memory_bytes(), m->weight_bytes() + arena.held_bytes() - arena.used_bytes());
+    EXPECT_LT(m->weight_memory_bytes() - m->weight_bytes(), WeightsArena::kHugePage);
+    const std::vector<const uint8_t*> regions = arena.RegionStarts();
+    ASSERT_FALSE(regions.empty());
+    for (const uint8_t* r : regions) {
+      const std::string flags = testing::VmFlagsOf(r);
+      if (ThpMode() != "unavailable") {
+        EXPECT_NE(flags.find(" hg"), std::string::npos) << flags;
       }
-      EXPECT_GT(scratch[0], 0u);
-      EXPECT_EQ(scratch[0], scratch[1]) << ArchName(arch) << " " << (preset ? preset : "bf16");
     }
   }
 }

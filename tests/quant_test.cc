@@ -8,11 +8,13 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "engine/bf16.h"
 #include "engine/kernels/cpu.h"
 #include "engine/kernels/linear.h"
+#include "engine/kernels/weights_arena.h"
 #include "tests/test_util.h"
 
 namespace qkv {
@@ -383,6 +385,65 @@ TEST(QuantLinear, RefusesRowsOfPartialBlocks) {
   auto ok = std::make_shared<const QuantWeights>(std::vector<QuantWeights::Part>{{GgmlType::kQ4_K, 2, bytes.data()}},
                                                  1024, nullptr);
   EXPECT_TRUE(Linear::CreateQuantized(rt, ok).ok());
+}
+
+// The weights arena (kernels/weights_arena.h): 64-byte aligned buffers in 2 MiB-aligned regions advised for
+// huge pages (VmFlags "hg", the advice itself, whatever THP is set to), big buffers in mappings of their own,
+// exact used/held accounting, regions unmapped with their last buffer.
+TEST(WeightsArena, AdvisedAlignedAccountedAndUnmapped) {
+  for (bool huge : {true, false}) {
+    auto arena = std::make_shared<WeightsArena>(huge);
+    const uint8_t* first = nullptr;
+    {
+      WeightsBuffer a(arena, 1000), b(arena, 3000), big(arena, 20u << 20);
+      first = a.data();
+      for (const WeightsBuffer* w : {&a, &b, &big}) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(w->data()) % 64, 0u);
+        EXPECT_TRUE(arena->Contains(w->data()));
+        const std::string flags = testing::VmFlagsOf(w->data());
+        EXPECT_NE(flags, "");
+        // A kernel without THP refuses the advice (madvise fails): nothing to see then.
+        if (ThpMode() != "unavailable") {
+          EXPECT_EQ(flags.find(" hg") != std::string::npos, huge) << flags;
+        }
+      }
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % WeightsArena::kHugePage, 0u);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(big.data()) % WeightsArena::kHugePage, 0u);
+      EXPECT_EQ(b.data(), a.data() + 1024);  // bumped past a, rounded to 64
+      EXPECT_EQ(arena->used_bytes(), 1024u + 3008u + (20u << 20));
+      EXPECT_EQ(arena->held_bytes(), WeightsArena::kHugePage + (20u << 20));
+      // Buffers move without being freed twice.
+      WeightsBuffer moved = std::move(b);
+      EXPECT_EQ(b.data(), nullptr);
+      EXPECT_EQ(arena->used_bytes(), 1024u + 3008u + (20u << 20));
+    }
+    EXPECT_EQ(arena->used_bytes(), 0u);
+    EXPECT_EQ(arena->held_bytes(), 0u);
+    EXPECT_FALSE(arena->Contains(first));
+  }
+}
+
+// Weights in the arena compute the bits of weights on the heap.
+TEST(WeightsArena, QuantizedWeightsComputeTheSameBits) {
+  const int k = 256, n = 40;
+  auto arena = std::make_shared<WeightsArena>(true);
+  for (GgmlType t : kQuantTypes) {
+    const auto q = Encode(t, Normal(static_cast<size_t>(n) * k, 31, 0.05f), n, k);
+    const QuantWeights heap({{t, n, q.data()}}, k, nullptr);
+    const QuantWeights in({{t, n, q.data()}}, k, nullptr, arena);
+    EXPECT_EQ(heap.arena(), nullptr);
+    EXPECT_EQ(in.arena(), arena.get());
+    EXPECT_GE(arena->used_bytes(), in.bytes());
+    QuantizedRows x;
+    x.Resize(3, k);
+    const auto xf = Normal(static_cast<size_t>(3) * k, 32);
+    x.Quantize(xf.data(), 0, 3);
+    std::vector<float> y1(3 * n), y2(3 * n);
+    heap.Compute(x, 0, n, y1.data(), n);
+    in.Compute(x, 0, n, y2.data(), n);
+    EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float))) << GgmlTypeName(t);
+  }
+  EXPECT_EQ(arena->used_bytes(), 0u);
 }
 
 TEST(Quant, TypeNamesAndFallbacks) {

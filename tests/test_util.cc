@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 
 namespace qkv::testing {
 
@@ -77,6 +78,23 @@ std::string WriteModel(const ModelConfig& cfg, const std::string& name, uint64_t
   const Status s = WriteRandomModel(cfg, {dtype, seed, "", {}}, path);
   EXPECT_TRUE(s.ok()) << s.ToString();
   return path;
+}
+
+std::string VmFlagsOf(const void* p) {
+  std::ifstream in("/proc/self/smaps");
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  bool inside = false;
+  while (std::getline(in, line)) {
+    unsigned long long lo = 0, hi = 0;
+    char dash = 0;
+    if (std::istringstream(line) >> std::hex >> lo >> dash >> hi && dash == '-' && line.find(':') > line.find(' ')) {
+      inside = a >= lo && a < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.substr(8);
+    }
+  }
+  return "";
 }
 
 }  // namespace qkv::testing

@@ -16,6 +16,9 @@ std::string TempDir();
 // A file's bytes (empty when it cannot be read), and writing them (false when it cannot be written whole).
 std::vector<uint8_t> ReadAll(const std::string& path);
 bool WriteAll(const std::string& path, const std::vector<uint8_t>& bytes);
+// The VmFlags of the mapping that holds p in /proc/self/smaps (e.g. "rd wr mr mw me ac hg"; "hg": advised for
+// transparent huge pages), or "" when no mapping holds it.
+std::string VmFlagsOf(const void* p);
 // A small model config (GQA 2:1 by default; deepseek2: MLA with a low-rank query path) for tests.
 ModelConfig SmallConfig(Arch arch = Arch::kLlama);
 // Writes a random model for cfg and returns its path.

@@ -9,9 +9,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "engine/block_manager.h"
+#include "engine/kernels/weights_arena.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 
@@ -20,9 +22,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Read bandwidth in GB/s over a 1 GiB buffer with n threads (best of `passes` passes).
-double MeasureBandwidth(const std::vector<float>& buf, int threads, int passes) {
-  const size_t n = buf.size();
+// Read bandwidth in GB/s over a buffer of n floats with `threads` threads (best of `passes` passes).
+double MeasureBandwidth(const float* buf, size_t n, int threads, int passes) {
   double best = 0;
   for (int pass = 0; pass < passes; ++pass) {
     const auto t0 = Clock::now();
@@ -33,7 +34,7 @@ double MeasureBandwidth(const std::vector<float>& buf, int threads, int passes) 
       float acc[64] = {};
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       const size_t chunk = n / nt / 64 * 64;
-      const float* p = buf.data() + chunk * t;
+      const float* p = buf + chunk * t;
       for (size_t i = 0; i < chunk; i += 64) {
         for (int l = 0; l < 64; ++l) acc[l] += p[i + l];
       }
@@ -131,7 +132,12 @@ int main(int argc, char** argv) {
   double best_prefill = 1e30, best_decode = 1e30;
   // The VM's read bandwidth drifts by 2x within minutes (docs/performance.md), so besides the best decode
   // against the best bandwidth, each repetition's decode is set against a bandwidth measured right after it.
-  std::vector<float> bw_buf((1ull << 30) / sizeof(float), 1.0f);
+  // 1 GiB on the pages the weights are on (the model's arena: huge pages unless QKV_HUGE_PAGES=0), so that
+  // the roofline compares like with like.
+  const size_t bw_n = (1ull << 30) / sizeof(float);
+  qkv::WeightsBuffer bw_mem(std::make_shared<qkv::WeightsArena>(), bw_n * sizeof(float));
+  auto* bw_buf = reinterpret_cast<float*>(bw_mem.data());
+  std::fill(bw_buf, bw_buf + bw_n, 1.0f);
   std::vector<double> rep_ratio;
   qkv::Model::Profile prefill_prof, decode_prof;
   for (int r = 0; r < reps; ++r) {
@@ -168,7 +174,7 @@ int main(int argc, char** argv) {
       next = qkv::ArgMax(m.logits(), V);
     }
     const double dec = Since(t0);
-    const double rep_bw = MeasureBandwidth(bw_buf, threads, 3);
+    const double rep_bw = MeasureBandwidth(bw_buf, bw_n, threads, 3);
     rep_ratio.push_back(gen / dec / (rep_bw * 1e9 / static_cast<double>(m.weight_bytes_per_token())));
     std::printf("rep %d: decode %.1f tok/s, read bandwidth right after it %.1f GB/s: %.0f%% of that roofline\n", r + 1,
                 gen / dec, rep_bw, 100.0 * rep_ratio.back());
@@ -179,7 +185,7 @@ int main(int argc, char** argv) {
     qkv::ReleaseBlocks(seq, pool);
     qkv::ReleaseStateSlot(seq, (*cache)->states());
   }
-  const double bw = MeasureBandwidth(bw_buf, threads, 5);
+  const double bw = MeasureBandwidth(bw_buf, bw_n, threads, 5);
   const double prefill_tps = prompt / best_prefill;
   const double decode_tps = gen / best_decode;
   const double roofline = bw * 1e9 / static_cast<double>(m.weight_bytes_per_token());

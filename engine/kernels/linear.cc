@@ -220,13 +220,14 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
           return lin;
         }
         why = st.message();
-        lin->slices_.clear();
+        // Last first, so that the arena takes their weights back (weights_arena.h).
+        while (!lin->slices_.empty()) lin->slices_.pop_back();
         no_kernel = st.code() != StatusCode::kFailedPrecondition;  // no kernel at all: padding will not help
       }
     }
     spdlog::debug("linear {}: packed GEMM ({})", shape, why);
   }
-  lin->packed_ = std::make_unique<PackedWeights>(w, bias, n, k, dt == DType::kBF16);
+  lin->packed_ = std::make_unique<PackedWeights>(w, bias, n, k, dt == DType::kBF16, rt.weights_arena());
   lin->weight_bytes_ = lin->packed_->bytes();
   split(lin->packed_->panels());
   rt.NoteLayer(std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x " + DTypeName(dt), DType::kF32,
@@ -298,7 +299,8 @@ Status Linear::CreateOneDnn(const float* w, const float* bias, int min_bucket, i
       // Source: rows n0..n0+n of W ([n][k] row-major) viewed as a k x n matrix.
       memory::desc user({k, s.n}, memory::data_type::f32, memory::dims{1, k});
       memory user_mem(user, rt.engine(), const_cast<float*>(w + static_cast<size_t>(s.n0) * k));
-      s.weights = memory(wd, rt.engine());
+      s.weights_mem = WeightsBuffer(rt.weights_arena(), wd.get_size());
+      s.weights = memory(wd, rt.engine(), s.weights_mem.data());
       dnnl::stream st(rt.engine());
       dnnl::reorder(user_mem, s.weights).execute(st, user_mem, s.weights);
       st.wait();

@@ -63,6 +63,8 @@ class GemmRuntime {
   ~GemmRuntime();
   int n_threads() const { return n_threads_; }
   const dnnl::engine& engine() const { return engine_; }
+  // Where the model's weights live (weights_arena.h): quantized, packed and oneDNN's (AMX: the heap).
+  const std::shared_ptr<WeightsArena>& weights_arena() const { return weights_arena_; }
 
   struct Prim {
     dnnl::matmul prim;
@@ -146,6 +148,7 @@ class GemmRuntime {
                                                 const dnnl::memory::desc& wei);
   int n_threads_;
   dnnl::engine engine_;
+  std::shared_ptr<WeightsArena> weights_arena_ = std::make_shared<WeightsArena>();
   std::vector<dnnl::stream> streams_;
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<std::vector<float>> out_;
@@ -221,6 +224,7 @@ class Linear {
   std::pair<int, int> ComputeShare(int i, int t, const void* in, int m, float* y) const;
   struct Slice {
     int n0 = 0, n = 0;
+    WeightsBuffer weights_mem;  // in the model's arena; `weights` points at it
     dnnl::memory weights;
     dnnl::memory bias;
     // Per bucket: the primitive and its argument memories (handles are set per call).

@@ -258,13 +258,14 @@ KernelIsa PackedWeights::Level() {
   return ActiveKernelIsa() >= KernelIsa::kAvx512 ? KernelIsa::kAvx512 : KernelIsa::kAvx2;
 }
 
-PackedWeights::PackedWeights(const float* w, const float* bias, int n, int k, bool bf16) : n_(n), k_(k) {
+PackedWeights::PackedWeights(const float* w, const float* bias, int n, int k, bool bf16,
+                             std::shared_ptr<WeightsArena> arena)
+    : n_(n), k_(k), bf16_(bf16) {
   const size_t total = static_cast<size_t>(panels()) * k * P;
-  if (bf16) {
-    bf16_.assign(total, 0);
-  } else {
-    f32_.assign(total, 0.0f);
-  }
+  w_ = WeightsBuffer(std::move(arena), total * (bf16 ? 2 : 4));
+  std::memset(w_.data(), 0, w_.size());  // columns past n in the last panel stay 0
+  auto* const w16 = reinterpret_cast<uint16_t*>(w_.data());
+  auto* const w32 = reinterpret_cast<float*>(w_.data());
   for (int c = 0; c < n; ++c) {
     const int p = c / P, i = c % P;
     // bf16 rows hold columns (0, 8), (1, 9), ... in adjacent slots (see LoadRow).
@@ -273,9 +274,9 @@ PackedWeights::PackedWeights(const float* w, const float* bias, int n, int k, bo
       const size_t at = (static_cast<size_t>(p) * k + kk) * P + slot;
       const float v = w[static_cast<size_t>(c) * k + kk];
       if (bf16) {
-        bf16_[at] = F32ToBf16(v);
+        w16[at] = F32ToBf16(v);
       } else {
-        f32_[at] = v;
+        w32[at] = v;
       }
     }
   }
@@ -289,11 +290,12 @@ void PackedWeights::Compute(const float* x, int ldx, int m, int panel0, int pane
   if (m <= 0 || panel0 >= panel1) return;
   const float* b = bias_.empty() ? nullptr : bias_.data();
   const bool wide = Level() == KernelIsa::kAvx512;
-  if (!bf16_.empty()) {
-    (wide ? Run<Avx512Tiles, uint16_t> : Run<Avx2Tiles, uint16_t>)(bf16_.data(), b, n_, k_, x, ldx, m, panel0, panel1,
-                                                                   y, ldy);
+  if (bf16_) {
+    const auto* w = reinterpret_cast<const uint16_t*>(w_.data());
+    (wide ? Run<Avx512Tiles, uint16_t> : Run<Avx2Tiles, uint16_t>)(w, b, n_, k_, x, ldx, m, panel0, panel1, y, ldy);
   } else {
-    (wide ? Run<Avx512Tiles, float> : Run<Avx2Tiles, float>)(f32_.data(), b, n_, k_, x, ldx, m, panel0, panel1, y, ldy);
+    const auto* w = reinterpret_cast<const float*>(w_.data());
+    (wide ? Run<Avx512Tiles, float> : Run<Avx2Tiles, float>)(w, b, n_, k_, x, ldx, m, panel0, panel1, y, ldy);
   }
 }
 

@@ -15,21 +15,25 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "engine/kernels/cpu.h"
+#include "engine/kernels/weights_arena.h"
 
 namespace qkv {
 
 class PackedWeights {
  public:
   static constexpr int kPanel = 16;
-  // w: [n, k] row-major f32; bias: n values or nullptr; bf16 selects the stored dtype.
-  PackedWeights(const float* w, const float* bias, int n, int k, bool bf16);
+  // w: [n, k] row-major f32; bias: n values or nullptr; bf16 selects the stored dtype. The panels go into
+  // the arena if there is one.
+  PackedWeights(const float* w, const float* bias, int n, int k, bool bf16,
+                std::shared_ptr<WeightsArena> arena = nullptr);
   int n() const { return n_; }
   int k() const { return k_; }
   int panels() const { return (n_ + kPanel - 1) / kPanel; }
-  size_t bytes() const { return f32_.size() * 4 + bf16_.size() * 2 + bias_.size() * 4; }
+  size_t bytes() const { return w_.size() + bias_.size() * 4; }
   // The kernel level Compute runs at (ActiveKernelIsa, rounded down to a level with a kernel).
   static KernelIsa Level();
 
@@ -38,9 +42,9 @@ class PackedWeights {
 
  private:
   int n_, k_;
-  std::vector<float> f32_;      // [panel][k][16]
-  std::vector<uint16_t> bf16_;  // [panel][k][16], pairs (c, c + 8)
-  std::vector<float> bias_;     // padded to whole panels, or empty
+  bool bf16_;
+  WeightsBuffer w_;          // f32 [panel][k][16], or bf16 [panel][k][16] with pairs (c, c + 8)
+  std::vector<float> bias_;  // padded to whole panels, or empty
 };
 
 }  // namespace qkv

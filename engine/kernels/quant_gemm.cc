@@ -558,13 +558,15 @@ void QuantizedRows::QuantizeBlocks(const float* x, size_t ldx, int r0, int r1, i
   }
 }
 
-QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* bias) : k_(k) {
+QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* bias,
+                           std::shared_ptr<WeightsArena> arena)
+    : k_(k) {
   size_t total = 0;
   for (const Part& p : parts) {
     total += GgmlRowBytes(p.type, k) * p.rows;
     whole_blocks_ = whole_blocks_ && GgmlIsQuantized(p.type) && k % GgmlBlockSize(p.type) == 0;
   }
-  data_.resize(total);
+  data_ = WeightsBuffer(std::move(arena), total);
   size_t off = 0;
   for (const Part& p : parts) {
     const size_t rb = GgmlRowBytes(p.type, k), bb = GgmlBlockBytes(p.type), nb = rb / bb;
@@ -574,7 +576,7 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
       const int np = p.rows / kPanelRows;
       runs_.push_back({p.type, n_, n_ + np * kPanelRows, kPanelRows, off, rb * kPanelRows, 0});
       for (; r + kPanelRows <= p.rows; r += kPanelRows) {
-        RepackPanel(p.type, p.data + rb * r, rb, k, &data_[off]);
+        RepackPanel(p.type, p.data + rb * r, rb, k, data_.data() + off);
         off += rb * kPanelRows;
       }
     }
@@ -586,7 +588,8 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
       for (; r + kInterleave <= p.rows; r += kInterleave) {
         for (int i = 0; i < kInterleave; ++i) {
           const uint8_t* src = p.data + rb * (r + i);
-          for (size_t b = 0; b < nb; ++b) std::memcpy(&data_[off + (b * kInterleave + i) * bb], src + b * bb, bb);
+          for (size_t b = 0; b < nb; ++b)
+            std::memcpy(data_.data() + off + (b * kInterleave + i) * bb, src + b * bb, bb);
         }
         off += rb * kInterleave;
       }
@@ -594,7 +597,7 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
     if (r < p.rows) {
       runs_.push_back({p.type, n_ + r, n_ + p.rows, 1, off, rb, bb});
       for (; r < p.rows; ++r) {
-        std::memcpy(&data_[off], p.data + rb * r, rb);
+        std::memcpy(data_.data() + off, p.data + rb * r, rb);
         off += rb;
       }
     }

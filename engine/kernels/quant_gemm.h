@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/kernels/cpu.h"
+#include "engine/kernels/weights_arena.h"
 #include "engine/quant.h"
 
 namespace qkv {
@@ -69,8 +70,11 @@ class QuantWeights {
     int rows;
     const uint8_t* data;
   };
-  // Copies the parts' bytes. k must be a multiple of each part's block size (and of 32).
-  QuantWeights(const std::vector<Part>& parts, int k, const float* bias);
+  // Copies the parts' bytes, into the arena if there is one. k must be a multiple of each part's block size
+  // (and of 32).
+  QuantWeights(const std::vector<Part>& parts, int k, const float* bias, std::shared_ptr<WeightsArena> arena = nullptr);
+  // The arena the bytes live in (nullptr: operator new).
+  const WeightsArena* arena() const { return data_.arena(); }
   int n() const { return n_; }
   int k() const { return k_; }
   // Whether k is a whole number of blocks of every part's type (Linear::CreateQuantized refuses otherwise).
@@ -134,21 +138,7 @@ class QuantWeights {
   bool whole_blocks_ = true;
   // Every byte is written by the constructor (rows copied, panels repacked), so the buffer is not zeroed
   // first: that memset was 19% of loading the MoE benchmark file.
-  template <class T>
-  struct NoZero : std::allocator<T> {
-    template <class U>
-    struct rebind {
-      using other = NoZero<U>;
-    };
-    NoZero() = default;
-    template <class U>
-    NoZero(const NoZero<U>&) noexcept {}
-    template <class U>
-    void construct(U* p) noexcept {
-      ::new (static_cast<void*>(p)) U;
-    }
-  };
-  std::vector<uint8_t, NoZero<uint8_t>> data_;
+  WeightsBuffer data_;
   std::vector<Run> runs_;
   std::vector<float> bias_;
 };

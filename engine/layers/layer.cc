@@ -63,13 +63,14 @@ StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& na
 }
 
 StatusOr<std::shared_ptr<const QuantWeights>> ReadQuantized(const GgufFile& f, const std::string& name, uint64_t rows,
-                                                            uint64_t k) {
+                                                            uint64_t k, std::shared_ptr<WeightsArena> arena) {
   QKV_ASSIGN_OR_RETURN(const GgufTensor* t, FindShaped(f, name, {k, rows}));
   if (!GgmlIsQuantized(t->type)) return std::shared_ptr<const QuantWeights>();
   if (k % 32 != 0) return DataLoss("model: quantized tensor '" + name + "' has rows that are not whole 32-blocks");
   QKV_RETURN_IF_ERROR(CheckQuantizedFinite(*t, k));
   return std::make_shared<const QuantWeights>(
-      std::vector<QuantWeights::Part>{{t->type, static_cast<int>(rows), t->data}}, static_cast<int>(k), nullptr);
+      std::vector<QuantWeights::Part>{{t->type, static_cast<int>(rows), t->data}}, static_cast<int>(k), nullptr,
+      std::move(arena));
 }
 
 StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gemm, DType dtype, bool keep_quantized,
@@ -93,7 +94,7 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
       QKV_RETURN_IF_ERROR(CheckQuantizedFinite(*t, K, r0, r0 + static_cast<uint64_t>(rows[i].n)));
       parts.push_back({t->type, rows[i].n, t->data + static_cast<uint64_t>(rows[i].r0) * GgmlRowBytes(t->type, K)});
     }
-    return Linear::CreateQuantized(gemm, std::make_shared<const QuantWeights>(parts, k, bias));
+    return Linear::CreateQuantized(gemm, std::make_shared<const QuantWeights>(parts, k, bias, gemm.weights_arena()));
   }
   // Only the rows this GEMM takes, expanded to f32 (one expert of a stacked tensor reads its slice alone).
   std::vector<float> w(static_cast<size_t>(n) * k);

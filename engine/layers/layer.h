@@ -208,9 +208,9 @@ struct WeightRows {
 // to f32 and created in `dtype`. Shapes are checked, and values must be finite.
 StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gemm, DType dtype, bool keep_quantized,
                                              const std::vector<WeightRows>& rows, int k, const float* bias);
-// A quantized 2-D tensor [rows, k] as QuantWeights, or nullptr when it is not quantized.
+// A quantized 2-D tensor [rows, k] as QuantWeights in the arena, or nullptr when it is not quantized.
 StatusOr<std::shared_ptr<const QuantWeights>> ReadQuantized(const GgufFile& f, const std::string& name, uint64_t rows,
-                                                            uint64_t k);
+                                                            uint64_t k, std::shared_ptr<WeightsArena> arena);
 
 // Reads a tensor as f32 after checking that its shape (ggml order) is exactly `ne` and its values finite.
 StatusOr<std::vector<float>> ReadTensor(const GgufFile& f, const std::string& name, std::vector<uint64_t> ne);
