@@ -302,10 +302,7 @@ Status Model::LoadWeights(const GgufFile& f) {
   return {};
 }
 
-size_t Model::weight_memory_bytes() const {
-  const WeightsArena& a = *rt_->weights_arena();
-  return weight_bytes_ + a.held_bytes() - std::min(a.held_bytes(), a.used_bytes());
-}
+size_t Model::weight_memory_bytes() const { return weight_bytes_ + rt_->weights_arena()->slack_bytes(); }
 
 size_t Model::weight_heap_bytes() const {
   return weight_bytes_ - std::min(weight_bytes_, rt_->weights_arena()->used_bytes());

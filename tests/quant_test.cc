@@ -412,6 +412,7 @@ TEST(WeightsArena, AdvisedAlignedAccountedAndUnmapped) {
       EXPECT_EQ(b.data(), a.data() + 1024);  // bumped past a, rounded to 64
       EXPECT_EQ(arena->used_bytes(), 1024u + 3008u + (20u << 20));
       EXPECT_EQ(arena->held_bytes(), WeightsArena::kHugePage + (20u << 20));
+      EXPECT_EQ(arena->slack_bytes(), WeightsArena::kHugePage - 1024u - 3008u);
       // Buffers move without being freed twice.
       WeightsBuffer moved = std::move(b);
       EXPECT_EQ(b.data(), nullptr);
@@ -419,6 +420,7 @@ TEST(WeightsArena, AdvisedAlignedAccountedAndUnmapped) {
     }
     EXPECT_EQ(arena->used_bytes(), 0u);
     EXPECT_EQ(arena->held_bytes(), 0u);
+    EXPECT_EQ(arena->slack_bytes(), 0u);
     EXPECT_FALSE(arena->Contains(first));
   }
 }

@@ -80,24 +80,24 @@ uint8_t* WeightsArena::Allocate(size_t bytes) {
   return p;
 }
 
-WeightsArena::Region* WeightsArena::Find(const void* p) {
+size_t WeightsArena::Find(const void* p) const {
   const auto* b = static_cast<const uint8_t*>(p);
-  for (Region& r : regions_)
-    if (b >= r.base && b < r.base + r.size) return &r;
-  return nullptr;
+  size_t i = 0;
+  while (i < regions_.size() && !(b >= regions_[i].base && b < regions_[i].base + regions_[i].size)) ++i;
+  return i;
 }
 
 void WeightsArena::Free(const uint8_t* p, size_t bytes) {
   if (p == nullptr) return;
   std::lock_guard<std::mutex> lock(mu_);
-  Region* r = Find(p);
-  if (r == nullptr) std::abort();  // not ours: a bug, never a silent leak or a double unmap
+  const size_t i = Find(p);
+  if (i == regions_.size()) std::abort();  // not ours: a bug, never a silent leak or a double unmap
+  Region* r = &regions_[i];
   const size_t size = RoundUp(bytes == 0 ? 1 : bytes, kAlign);
   r->live -= size;
   // The last buffer handed out gives its space back (a layer that tries a GEMM and drops it at load).
   if (p + size == r->base + r->top) r->top -= size;
   if (--r->buffers > 0) return;
-  const size_t i = static_cast<size_t>(r - regions_.data());
   munmap(r->base, r->size);
   regions_.erase(regions_.begin() + static_cast<std::ptrdiff_t>(i));
   if (current_ == i) {
@@ -121,12 +121,16 @@ size_t WeightsArena::held_bytes() const {
   return n;
 }
 
+size_t WeightsArena::slack_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const Region& r : regions_) n += RoundUp(r.top, kHugePage) - r.live;
+  return n;
+}
+
 bool WeightsArena::Contains(const void* p) const {
   std::lock_guard<std::mutex> lock(mu_);
-  const auto* b = static_cast<const uint8_t*>(p);
-  for (const Region& r : regions_)
-    if (b >= r.base && b < r.base + r.size) return true;
-  return false;
+  return Find(p) < regions_.size();
 }
 
 std::vector<const uint8_t*> WeightsArena::RegionStarts() const {

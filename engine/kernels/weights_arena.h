@@ -41,6 +41,8 @@ class WeightsArena {
   // partly written is resident whole). held − used is the arena's slack, counted with the weights in the
   // memory metrics.
   size_t held_bytes() const;
+  // held − used, read at one instant.
+  size_t slack_bytes() const;
   // Whether p lies in one of the arena's regions, and where they start.
   bool Contains(const void* p) const;
   std::vector<const uint8_t*> RegionStarts() const;
@@ -55,7 +57,8 @@ class WeightsArena {
     size_t live = 0;  // bytes of live buffers
     int buffers = 0;  // live buffers
   };
-  Region* Find(const void* p);
+  // The index of the region p lies in, or regions_.size().
+  size_t Find(const void* p) const;
   uint8_t* Map(size_t size);
   const bool huge_pages_;
   mutable std::mutex mu_;  // buffers are made on the loading thread, but may be freed on any
