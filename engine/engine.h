@@ -168,8 +168,11 @@ class Engine {
   Status CloseSession(const std::string& ns, const std::string& id);
 
   // The snapshot published after the last step (never takes the engine's lock). It can lag: when it is
-  // expensive it is published at most every 50x its cost, so it may predate the last commands.
+  // expensive it is published at most every 50x its cost (at most 1 s apart), so it may predate the last
+  // commands.
   EngineStats Stats() const;
+  // The wait after a snapshot that cost `cost` of the engine thread's CPU time before the next one.
+  static Clock::duration StatsPublishInterval(Clock::duration cost);
   // Requests in flight (running, waiting or preempted), counted on the engine thread after every command
   // posted before this call (so a request submitted earlier is counted). Waits at most one step; the drain
   // uses it because the snapshot above can predate a request that has already streamed tokens.

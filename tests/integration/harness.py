@@ -145,7 +145,7 @@ class Server:
 
     def wait_metric(self, name, value, timeout=30):
         """True once the scraped NAME equals VALUE, or VALUE(it) is true for a callable VALUE (the engine
-        publishes its figures at the end of a step, at most every 50x the snapshot's cost, so a reply can
+        publishes its figures at the end of a step, at most every 50x the snapshot's cost and 1 s, so a reply can
         reach the client before the counters that count it reach /metrics)."""
         ok = value if callable(value) else (lambda v: v == value)
         deadline = time.time() + timeout
