@@ -73,13 +73,10 @@ void DenseSwiGlu::Forward(float* x, const StepRows& rows, const LayerScratch& s)
 // columns; after a barrier each computes the whole SiLU product for itself (the down share reads all of
 // it) and adds its share of the down columns to x.
 void DenseSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScratch& s) {
-  const int H = hidden_, F = ffn_, me = omp_get_thread_num();
+  const int F = ffn_, me = omp_get_thread_num();
   ForwardProfile& pf = *s.profile;
   PhaseTimer* timer = me == 0 ? s.timer : nullptr;
-  float* own = s.TeamRows(me);
-  RmsNorm(x, norm_.data(), own, H, eps_);
-  if (timer) timer->Mark(pf.norms);
-  gate_up_->ForwardShare(own, 1, s.gu, [](int, int) {});
+  float* own = s.TeamNormShare(x, norm_, eps_, *gate_up_, s.gu);
   s.Barrier();
   if (timer) timer->Mark(pf.ffn_up);
   SiluMul(s.gu, s.gu + F, own, F);

@@ -65,6 +65,9 @@ class GatedDeltaNet final : public Layer {
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+  bool team_ready() const override { return proj_->team_ready() && out_->team_ready(); }
+  size_t team_floats() const override { return static_cast<size_t>(PaddedRows(1)) * hidden_; }
+  void ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) override;
 
  private:
   // The slot regions of this layer for one sequence.
@@ -93,6 +96,10 @@ class GatedDeltaNet final : public Layer {
   void ConvRow(int i, int r0, const View& v);
   void MoveWindow(int r0, int n, const View& v);
   void Head(int h, int r0, int n, int pos0, const View& v);
+  // The keys of the chunk left open by a step of n rows from r0 (positions pos0…) go to the slot.
+  void KeepOpenKeys(int r0, int n, int pos0, const View& v);
+  // Row t's value head h: RMSNorm (ssm_norm) × silu(z), in place.
+  void GateHead(int t, int h);
 
   LinearAttnConfig la_;
   int hidden_ = 0, proj_n_ = 0, z_off_ = 0, b_off_ = 0, a_off_ = 0;
@@ -263,7 +270,7 @@ void GatedDeltaNet::Head(int h, int r0, int n, int pos0, const View& v) {
 
 void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& s) {
   const int T = rows.T, H = hidden_, nthr = s.n_threads;
-  const int nv = la_.n_v_heads, dv = la_.v_dim, nk = la_.n_k_heads, dk = la_.k_dim;
+  const int nv = la_.n_v_heads;
   ForwardProfile& pf = *s.profile;
   float* h = s.h;
   ParallelRows(T, nthr, [&](int t) {
@@ -293,29 +300,66 @@ void GatedDeltaNet::Forward(float* x, const StepRows& rows, const LayerScratch& 
     Head(hh, r0[ci], r0[ci + 1] - r0[ci], rows.pos[r0[ci]], views[ci]);
   });
   // Keys of the chunk left open go to the slot (every value head of the group read them from the rows).
-  const size_t k_stride = static_cast<size_t>(nk) * dk;
-  for (int ci = 0; ci < n_seq; ++ci) {
-    const int pos0 = rows.pos[r0[ci]], n = r0[ci + 1] - r0[ci], end = pos0 + n;
-    for (int p = std::max(pos0, end - end % kC); p < end; ++p) {
-      const float* k = &b_->conv[static_cast<size_t>(r0[ci] + p - pos0) * la_.conv_channels() + k_stride];
-      std::memcpy(views[ci].pk + static_cast<size_t>(p % kC) * k_stride, k, sizeof(float) * k_stride);
-    }
-  }
+  for (int ci = 0; ci < n_seq; ++ci) KeepOpenKeys(r0[ci], r0[ci + 1] - r0[ci], rows.pos[r0[ci]], views[ci]);
   // Gated RMSNorm per value head with z, then the output projection.
-  const size_t vd = static_cast<size_t>(nv) * dv;
   ParallelRows(T, nthr, [&](int t) {
-    float* o = &b_->o[static_cast<size_t>(t) * vd];
-    const float* z = &b_->p[static_cast<size_t>(t) * proj_n_ + z_off_];
-    for (int hh = 0; hh < nv; ++hh) {
-      float* oh = o + static_cast<size_t>(hh) * dv;
-      RmsNorm(oh, head_norm_.data(), oh, dv, eps_);
-      SiluMul(z + static_cast<size_t>(hh) * dv, oh, oh, dv);
-    }
+    for (int hh = 0; hh < nv; ++hh) GateHead(t, hh);
   });
   s.timer->Mark(pf.attention);
   s.Gemm(*out_, b_->o.data(), T, s.tmp);
   AddInPlace(x, s.tmp, T * H);
   s.timer->Mark(pf.o);
+}
+
+void GatedDeltaNet::KeepOpenKeys(int r0, int n, int pos0, const View& v) {
+  const size_t k_stride = static_cast<size_t>(la_.n_k_heads) * la_.k_dim;
+  const int end = pos0 + n;
+  for (int p = std::max(pos0, end - end % kC); p < end; ++p) {
+    const float* k = &b_->conv[static_cast<size_t>(r0 + p - pos0) * la_.conv_channels() + k_stride];
+    std::memcpy(v.pk + static_cast<size_t>(p % kC) * k_stride, k, sizeof(float) * k_stride);
+  }
+}
+
+void GatedDeltaNet::GateHead(int t, int h) {
+  const int dv = la_.v_dim;
+  float* oh = &b_->o[(static_cast<size_t>(t) * la_.n_v_heads + h) * dv];
+  const float* z = &b_->p[static_cast<size_t>(t) * proj_n_ + z_off_ + static_cast<size_t>(h) * dv];
+  RmsNorm(oh, head_norm_.data(), oh, dv, eps_);
+  SiluMul(z, oh, oh, dv);
+}
+
+// One token, every thread of the team (the operations of Forward on the same values, so the same bits):
+// each thread normalizes the row for itself and computes its share of the fused projection; after a barrier
+// the last thread runs the conv row, moves the window and keeps the open chunk's key (the heads read only
+// earlier chunk positions from the slot, never that one); after a barrier, the value heads are shared out,
+// each followed by its gated norm (which reads nothing of the other heads); after a barrier, each thread adds
+// its share of the output projection to x.
+void GatedDeltaNet::ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) {
+  const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+  ForwardProfile& pf = *s.profile;
+  PhaseTimer* timer = me == 0 ? s.timer : nullptr;
+  s.TeamNormShare(x, norm_, eps_, *proj_, b_->p.data());
+  s.Barrier();
+  if (timer) timer->Mark(pf.qkv);
+  const View v = Slot(*s.states, rows.batch[rows.chunk_of[0]].seq->state_slot);
+  const int pos = rows.pos[0];
+  if (me == nt - 1) {
+    ConvRow(0, 0, v);
+    MoveWindow(0, 1, v);
+    KeepOpenKeys(0, 1, pos, v);
+  }
+  s.Barrier();
+  if (timer) timer->Mark(pf.rope_store);
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int hh = 0; hh < la_.n_v_heads; ++hh) {
+    Head(hh, 0, 1, pos, v);
+    GateHead(0, hh);
+  }
+  s.Barrier();
+  if (timer) timer->Mark(pf.attention);
+  out_->ForwardShare(b_->o.data(), 1, s.tmp, [&](int c0, int c1) { AddInPlace(x + c0, s.tmp + c0, c1 - c0); });
+  s.Barrier();
+  if (timer) timer->Mark(pf.o);
 }
 
 }  // namespace

@@ -165,19 +165,16 @@ void GqaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
 // adds its share of the o projection to x. The same operations on the same values as Forward.
 void GqaAttention::ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) {
   const ModelConfig& c = c_;
-  const int H = c.hidden, hd = c.head_dim, q_dim = c.q_dim(), kv_dim = c.kv_dim();
+  const int hd = c.head_dim, q_dim = c.q_dim(), kv_dim = c.kv_dim();
   const int k_off = q_dim * (c.attn_output_gate ? 2 : 1), v_off = k_off + kv_dim;
   const int group = c.n_heads / c.n_kv_heads, me = omp_get_thread_num();
   const float eps = static_cast<float>(c.rms_eps);
   const RopeStyle style = RopeStyleOf(c.arch);
   ForwardProfile& pf = *s.profile;
   PhaseTimer* timer = me == 0 ? s.timer : nullptr;
-  float* h = s.TeamRows(me);
   float* qkv = s.qkv;
   float* attn = s.attn;
-  RmsNorm(x, norm_.data(), h, H, eps);
-  if (timer) timer->Mark(pf.norms);
-  qkv_->ForwardShare(h, 1, qkv, [](int, int) {});
+  s.TeamNormShare(x, norm_, eps, *qkv_, qkv);
   s.Barrier();
   if (timer) timer->Mark(pf.qkv);
   const int pos = rows.pos[0];

@@ -107,6 +107,16 @@ StatusOr<std::unique_ptr<Linear>> MakeLinear(const GgufFile& f, GemmRuntime& gem
   return Linear::Create(gemm, w.data(), bias, n, k, dtype);
 }
 
+float* LayerScratch::TeamNormShare(const float* x, const std::vector<float>& norm, float eps, const Linear& lin,
+                                   float* y) const {
+  const int me = omp_get_thread_num();
+  float* own = TeamRows(me);
+  RmsNorm(x, norm.data(), own, static_cast<int>(norm.size()), eps);
+  if (me == 0) timer->Mark(profile->norms);
+  lin.ForwardShare(own, 1, y, [](int, int) {});
+  return own;
+}
+
 void LayerScratch::Gemm(const Linear& lin, const float* x, int rows, float* y) const {
   const void* in = x;
   if (lin.input_dtype() == DType::kBF16) {

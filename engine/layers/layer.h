@@ -91,6 +91,9 @@ struct LayerScratch {
   ForwardProfile* profile = nullptr;
   // lin.Forward on f32 rows x, through bf16_in when the layer takes bf16 input.
   void Gemm(const Linear& lin, const float* x, int rows, float* y) const;
+  // A team step's first phase, on the calling thread: its RMSNorm (weights norm, one row) of x into its
+  // team row, which it returns, then its share of lin over that row into y. No barrier.
+  float* TeamNormShare(const float* x, const std::vector<float>& norm, float eps, const Linear& lin, float* y) const;
 };
 
 // What a layer keeps between steps. Paged per-token bytes live in the KV arena's blocks (a token's K/V,

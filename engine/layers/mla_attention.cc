@@ -58,6 +58,9 @@ class MlaAttention final : public Layer {
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
+  bool team_ready() const override { return a_->team_ready() && (!q_b_ || q_b_->team_ready()) && o_->team_ready(); }
+  size_t team_floats() const override { return static_cast<size_t>(PaddedRows(1)) * std::max(c_.hidden, ql_); }
+  void ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) override;
 
  private:
   ModelConfig c_;
@@ -240,6 +243,70 @@ void MlaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
   s.Gemm(*o_, b_->ao.data(), T, s.tmp);
   AddInPlace(x, s.tmp, T * H);
   s.timer->Mark(pf.o);
+}
+
+// One token, every thread of the team (the operations of Forward on the same values, so the same bits):
+// each thread normalizes the row for itself and computes its share of the first GEMM; after a barrier (and,
+// with a low-rank query path, each thread's own q_a norm, its share of W_QB and another barrier), the last
+// thread normalizes, rotates and stores the latent and the rope key while the heads' rope queries and
+// absorbed queries are shared out; after a barrier, the heads in one chunk per thread as Forward cuts them,
+// each chunk's attention followed by its heads' W_UV (no other chunk reads them); after a barrier, each
+// thread adds its share of the output projection to x. 4 barriers a layer (5 with q_lora) where Forward
+// runs 5 parallel regions (6 with q_lora).
+void MlaAttention::ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) {
+  const int nh = nh_, R = R_, P = P_, dv = dv_, dk = dk_, ql = ql_, W = R + P, dn = dn_;
+  const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+  const float eps = static_cast<float>(c_.rms_eps);
+  ForwardProfile& pf = *s.profile;
+  PhaseTimer* timer = me == 0 ? s.timer : nullptr;
+  float* a = b_->a.data();
+  float* own = s.TeamNormShare(x, norm_, eps, *a_, a);
+  s.Barrier();
+  const float* q = a;
+  size_t q_stride = static_cast<size_t>(a_n_);
+  if (ql > 0) {
+    RmsNorm(a, q_a_norm_.data(), own, ql, eps);
+    q_b_->ForwardShare(own, 1, b_->q.data(), [](int, int) {});
+    s.Barrier();
+    q = b_->q.data();
+    q_stride = static_cast<size_t>(nh) * dk;
+  }
+  if (timer) timer->Mark(pf.qkv);
+  const int pos = rows.pos[0];
+  const int* blocks = rows.batch[rows.chunk_of[0]].seq->blocks.data();
+  const RopeStyle style = RopeStyleOf(c_.arch);
+  if (me == nt - 1) {
+    float* kv = a + kv_off_;
+    RmsNorm(kv, kv_a_norm_.data(), kv, R, eps);
+    if (P > 0) rope_->Apply(kv + R, pos, style);
+    StoreLatent(*s.kv, kv_layer_, blocks, pos, kv, kv + R);
+  }
+#pragma omp for schedule(static) nowait
+  for (int hh = 0; hh < nh; ++hh) {
+    float* dst = &b_->qm[static_cast<size_t>(hh) * W + R];
+    std::copy_n(q + static_cast<size_t>(hh) * dk + dn, P, dst);
+    if (P > 0) rope_->Apply(dst, pos, style);
+    k_b_[hh].Compute(q + static_cast<size_t>(hh) * dk, static_cast<int>(q_stride), 1, 0, k_b_[hh].panels(),
+                     &b_->qm[static_cast<size_t>(hh) * W], nh * W);
+  }
+  s.Barrier();
+  if (timer) timer->Mark(pf.rope_store);
+  const int chunks = 1 >= s.n_threads ? 1 : std::min(nh, s.n_threads);  // as Forward cuts one row
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int k = 0; k < chunks; ++k) {
+    const int h0 = nh * k / chunks, h1 = nh * (k + 1) / chunks;
+    float* scratch = &s.attn_per_thread[s.attn_stride * me];
+    AttendLatent(*s.kv, kv_layer_, blocks, pos + 1, b_->qm.data(), b_->ol.data(), h0, h1 - h0, scale_, scratch);
+    for (int hh = h0; hh < h1; ++hh) {
+      v_b_[hh].Compute(&b_->ol[static_cast<size_t>(hh) * R], nh * R, 1, 0, v_b_[hh].panels(),
+                       &b_->ao[static_cast<size_t>(hh) * dv], nh * dv);
+    }
+  }
+  s.Barrier();
+  if (timer) timer->Mark(pf.attention);
+  o_->ForwardShare(b_->ao.data(), 1, s.tmp, [&](int c0, int c1) { AddInPlace(x + c0, s.tmp + c0, c1 - c0); });
+  s.Barrier();
+  if (timer) timer->Mark(pf.o);
 }
 
 }  // namespace

@@ -53,15 +53,17 @@ struct MoeBuffers {
   QuantizedRows hq, aq[2];
   std::vector<QuantizedRows> hq_own;  // one per thread: the few tokens' rows at decode (kOwnQuantRows)
   std::vector<float> sgu, sact, sy;
+  std::vector<float> shgu, shy;  // ForwardTeam: the shared experts' gate/up (2 × n_shared × F) and output (H)
   std::vector<int> seq, active;  // seq[i] = i (rows of saq in place); active: the step's experts
   QuantizedRows saq;
   std::vector<TeamRoute> team;
   size_t bytes() const {
-    size_t n = sizeof(float) * (logits.size() + weights.size() + xin.size() + gu.size() + act.size() + y.size() +
-                                acc.size() + route.size() + sgu.size() + sact.size() + sy.size()) +
-               sizeof(int) * (chosen.size() + rows_of.size() + route_idx.size() + tok.size() + off.size() + seq.size() +
-                              active.size()) +
-               hq.bytes() + aq[0].bytes() + aq[1].bytes() + saq.bytes();
+    size_t n =
+        sizeof(float) * (logits.size() + weights.size() + xin.size() + gu.size() + act.size() + y.size() + acc.size() +
+                         route.size() + sgu.size() + sact.size() + sy.size() + shgu.size() + shy.size()) +
+        sizeof(int) *
+            (chosen.size() + rows_of.size() + route_idx.size() + tok.size() + off.size() + seq.size() + active.size()) +
+        hq.bytes() + aq[0].bytes() + aq[1].bytes() + saq.bytes();
     for (const auto& q : hq_own) n += q.bytes();
     for (const TeamRoute& r : team) {
       n += sizeof(int) * (r.chosen.size() + r.idx.size() + r.active_k.size()) +
@@ -107,9 +109,10 @@ class MoeSwiGlu final : public Layer {
 
   static StatusOr<std::unique_ptr<Layer>> Make(const LayerInit& in);
   void Forward(float* x, const StepRows& rows, const LayerScratch& s) override;
-  // The spread path without shared experts: one token's routed experts inside the step's team.
+  // One token's routed and shared experts inside the step's team.
   bool team_ready() const override {
-    if (sh_gate_up_ || !router_->team_ready() || b_->team.empty()) return false;
+    if (!router_->team_ready() || b_->team.empty()) return false;
+    if (sh_gate_up_ && (!sh_gate_up_->team_ready() || !sh_down_->team_ready())) return false;
     if (fused_) return spread_slots_ >= m_.n_used;
     const auto K = static_cast<size_t>(m_.n_used);
     if (b_->gu.size() < K * 2 * m_.expert_ffn || b_->y.size() < K * hidden_) return false;
@@ -118,7 +121,9 @@ class MoeSwiGlu final : public Layer {
     }
     return true;
   }
-  size_t team_floats() const override { return static_cast<size_t>(PaddedRows(1)) * std::max(hidden_, m_.expert_ffn); }
+  size_t team_floats() const override {
+    return static_cast<size_t>(PaddedRows(1)) * std::max({hidden_, m_.expert_ffn, m_.n_shared * m_.expert_ffn});
+  }
   void ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) override;
 
  private:
@@ -154,8 +159,13 @@ class MoeSwiGlu final : public Layer {
   std::shared_ptr<MoeBuffers> b_;
   // ForwardTeam's experts on GEMMs that are not fused (h: the thread's normalized row, then its SiLU products).
   void ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerScratch& s);
+  // The thread's shares of the shared experts (if any): gate/up of the normalized row h into b_->shgu, then
+  // (after the caller's barrier) the SiLU product into act, which may be h, and down into b_->shy.
+  void SharedGateUpShare(const float* h) const;
+  void SharedDownShare(float* act) const;
   // The thread's share of x's columns += Σ over the token's experts in increasing index (expert a's output
-  // in row a of ys, rows of H) of weight · output, summed from zero as Forward sums them.
+  // in row a of ys, rows of H) of weight · output, summed from zero as Forward sums them, plus the shared
+  // experts' output (b_->shy) as Forward adds it.
   void AddExpertOutputs(float* x, const float* ys, const TeamRoute& r);
 };
 
@@ -232,6 +242,8 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
       b->active.assign(static_cast<size_t>(E), 0);
       b->saq.Resize(S, F);
     }
+    b->shgu.assign(static_cast<size_t>(2 * widest), 0);  // widest ≥ n_shared × F
+    b->shy.assign(static_cast<size_t>(H), 0);
     b->team.resize(static_cast<size_t>(threads));
     for (TeamRoute& r : b->team) {
       r.chosen.assign(static_cast<size_t>(K), 0);
@@ -503,16 +515,15 @@ void MoeSwiGlu::ExpertsSpread(int T, const LayerScratch& s) {
 // One token, every thread of the team (what Forward and ExpertsSpread compute, with the same bits): each
 // thread normalizes the row, computes its share of the router, and after a barrier routes the token for
 // itself (every thread gets the same experts); then the active experts' gate/up blocks, their down
-// columns and the output columns are shared as in ExpertsSpread, with a barrier after each.
+// columns and the output columns are shared as in ExpertsSpread, with a barrier after each. Shared experts
+// (deepseek2) go along: each thread's share of their gate/up columns in the first phase, its SiLU product and
+// share of their down columns in the second, their output added to the routed sum as Forward adds it.
 void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScratch& s) {
   const int H = hidden_, E = m_.n_experts, K = m_.n_used, F = m_.expert_ffn, nb = F / 32;
   const int me = omp_get_thread_num(), nt = omp_get_num_threads();
   ForwardProfile& pf = *s.profile;
   PhaseTimer* timer = me == 0 ? s.timer : nullptr;
-  float* h = s.TeamRows(me);
-  RmsNorm(x, norm_.data(), h, H, eps_);
-  if (timer) timer->Mark(pf.norms);
-  router_->ForwardShare(h, 1, b_->logits.data(), [](int, int) {});
+  float* h = s.TeamNormShare(x, norm_, eps_, *router_, b_->logits.data());
   if (fused_) b_->hq_own[static_cast<size_t>(me)].Quantize(h, 0, 1);
   s.Barrier();
   TeamRoute& r = b_->team[static_cast<size_t>(me)];
@@ -543,6 +554,7 @@ void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScrat
                   &b_->sgu[static_cast<size_t>(a) * 2 * F], b_->sact.data(), b_->saq, static_cast<int>(a));
     }
   }
+  SharedGateUpShare(h);
   s.Barrier();
   if (timer) timer->Mark(pf.ffn_up);
   // Down: the K experts' H output columns end to end, cut on unit starts.
@@ -557,6 +569,7 @@ void MoeSwiGlu::ForwardTeam(float* x, const StepRows& /*rows*/, const LayerScrat
                  &b_->sy[static_cast<size_t>(a) * H], H);
     }
   }
+  SharedDownShare(h);
   s.Barrier();
   AddExpertOutputs(x, b_->sy.data(), r);
   s.Barrier();
@@ -575,6 +588,7 @@ void MoeSwiGlu::ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerS
   for (int a = 0; a < K; ++a) {
     gate_up_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &b_->gu[static_cast<size_t>(a) * 2 * F], [](int, int) {});
   }
+  SharedGateUpShare(h);
   s.Barrier();
   if (timer) timer->Mark(pf.ffn_up);
   for (int a = 0; a < K; ++a) {  // h is the SiLU product from here on
@@ -582,6 +596,7 @@ void MoeSwiGlu::ExpertsTeam(float* x, float* h, const TeamRoute& r, const LayerS
     SiluMul(g, g + F, h, F);
     down_[r.chosen[r.active_k[a]]]->ForwardShare(h, 1, &b_->y[static_cast<size_t>(a) * H], [](int, int) {});
   }
+  SharedDownShare(h);
   s.Barrier();
   AddExpertOutputs(x, b_->y.data(), r);
   s.Barrier();
@@ -598,7 +613,19 @@ void MoeSwiGlu::AddExpertOutputs(float* x, const float* ys, const TeamRoute& r) 
     const float* y = ys + static_cast<size_t>(a) * H + d0;
     for (int d = 0; d < d1 - d0; ++d) acc[d] = std::fma(w, y[d], acc[d]);
   }
+  if (sh_gate_up_) AddInPlace(acc, &b_->shy[static_cast<size_t>(d0)], d1 - d0);
   AddInPlace(x + d0, acc, d1 - d0);
+}
+
+void MoeSwiGlu::SharedGateUpShare(const float* h) const {
+  if (sh_gate_up_) sh_gate_up_->ForwardShare(h, 1, b_->shgu.data(), [](int, int) {});
+}
+
+void MoeSwiGlu::SharedDownShare(float* act) const {
+  if (!sh_gate_up_) return;
+  const int SF = m_.n_shared * m_.expert_ffn;
+  SiluMul(b_->shgu.data(), b_->shgu.data() + SF, act, SF);
+  sh_down_->ForwardShare(act, 1, b_->shy.data(), [](int, int) {});
 }
 
 }  // namespace
