@@ -71,6 +71,7 @@ if os.path.exists(nginx):
     with open(os.path.join(tmp, "nginx.conf"), "w") as f:
         f.write(conf)
     r = subprocess.run([nginx, "-t", "-c", os.path.join(tmp, "nginx.conf"), "-p", tmp], capture_output=True, text=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     check(r.returncode == 0, "nginx -t" + (": " + r.stderr.strip() if r.returncode else ""))
 else:
     check(False, "nginx is installed")

@@ -199,7 +199,7 @@ TEST_P(ModelArchTest, QuantizedWeightsKeepTheSameBits) {
     if (cfg.is_mla() && std::string(preset) == "Q4_K_M") {  // 256-wide latent and query rows
       cfg.mla.kv_lora_rank = 64, cfg.mla.q_lora_rank = 256, cfg.head_dim = 64 + 32, cfg.mla.qk_nope_dim = 32;
     }
-    const std::string path = ::testing::TempDir() + "/quant_" + preset + "_" + ArchName(GetParam()) + ".gguf";
+    const std::string path = testing::TempDir() + "/quant_" + preset + "_" + ArchName(GetParam()) + ".gguf";
     ASSERT_TRUE(WriteRandomModel(cfg, {GgmlType::kF32, 1, preset, {}}, path).ok());
     auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
     ASSERT_TRUE(m);
@@ -249,7 +249,7 @@ TEST(Model, FusedQuantizedExpertsKeepThePerExpertBits) {
         if (cfg.is_mla())
           cfg.mla.kv_lora_rank = 64, cfg.mla.q_lora_rank = 256, cfg.head_dim = 96, cfg.mla.qk_nope_dim = 32;
       }
-      const std::string path = ::testing::TempDir() + "/fused_" + preset + "_" + ArchName(arch) + ".gguf";
+      const std::string path = testing::TempDir() + "/fused_" + preset + "_" + ArchName(arch) + ".gguf";
       ASSERT_TRUE(WriteRandomModel(cfg, {GgmlType::kF32, 1, preset, {}}, path).ok());
       std::vector<float> out[2];
       for (int fused = 0; fused < 2; ++fused) {
@@ -313,8 +313,7 @@ TEST(Model, OneTokenStepsInOneRegionKeepTheBits) {
           cfg.n_layers = 27;
         }
       }
-      const std::string path =
-          ::testing::TempDir() + "/team_" + ArchName(k.arch) + (k.preset ? k.preset : "") + ".gguf";
+      const std::string path = testing::TempDir() + "/team_" + ArchName(k.arch) + (k.preset ? k.preset : "") + ".gguf";
       RandomModelOptions ro;
       if (k.preset) ro.preset = k.preset;
       ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
@@ -493,7 +492,7 @@ TEST(Model, LayersShareTheirScratch) {
       }
       RandomModelOptions ro;
       if (k.preset) ro.preset = k.preset;
-      const std::string path = ::testing::TempDir() + "/scratch_" + std::string(ArchName(k.arch)) + "_" +
+      const std::string path = testing::TempDir() + "/scratch_" + std::string(ArchName(k.arch)) + "_" +
                                (k.preset ? k.preset : "bf16") + "_" + std::to_string(cfg.n_layers) + ".gguf";
       ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
       auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
@@ -515,7 +514,7 @@ TEST(Model, WeightsLiveInTheHugePageArena) {
   for (const char* preset : {"Q4_K_M", static_cast<const char*>(nullptr)}) {
     RandomModelOptions ro;
     if (preset) ro.preset = preset;
-    const std::string path = ::testing::TempDir() + "/arena_" + (preset ? preset : "bf16") + ".gguf";
+    const std::string path = testing::TempDir() + "/arena_" + (preset ? preset : "bf16") + ".gguf";
     ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
     auto m = Load(path, DType::kBF16, DType::kBF16, 256, 64);
     ASSERT_TRUE(m);
@@ -598,7 +597,7 @@ TEST(Model, RefusesAQuantizedTensorWithANonFiniteScale) {
   cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
   RandomModelOptions ro;
   ro.preset = "Q8_0";
-  const std::string good = ::testing::TempDir() + "/finite_ok.gguf", bad = ::testing::TempDir() + "/finite_bad.gguf";
+  const std::string good = testing::TempDir() + "/finite_ok.gguf", bad = testing::TempDir() + "/finite_bad.gguf";
   ASSERT_TRUE(WriteRandomModel(cfg, ro, good).ok());
   std::vector<uint8_t> bytes = testing::ReadAll(good);
   ASSERT_FALSE(bytes.empty());

@@ -13,15 +13,16 @@ namespace qkv::testing {
 
 std::string TempDir() {
   static std::string dir = [] {
-    char tmpl[] = "/tmp/qkvtest.XXXXXX";
-    const char* d = mkdtemp(tmpl);
+    const char* base = std::getenv("TMPDIR");  // tools/test.sh gives each run its own
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/qkvtest.XXXXXX";
+    const char* d = mkdtemp(tmpl.data());
     EXPECT_NE(d, nullptr);
-    std::string s = d ? d : "/tmp";
+    if (d == nullptr) return std::string(base && *base ? base : "/tmp");  // never removed: not ours
     static struct Cleanup {
       std::string path;
       ~Cleanup() { std::filesystem::remove_all(path); }
-    } cleanup{s};
-    return s;
+    } cleanup{d};
+    return std::string(d);
   }();
   return dir;
 }

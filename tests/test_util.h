@@ -11,7 +11,9 @@
 
 namespace qkv::testing {
 
-// A fresh directory under /tmp removed at exit.
+// A fresh directory of this process under $TMPDIR (or /tmp), removed at exit. Tests write their files here,
+// never straight into /tmp: a shared path races with another test process, and tools/test.sh fails a run
+// that leaves files behind.
 std::string TempDir();
 // A file's bytes (empty when it cannot be read), and writing them (false when it cannot be written whole).
 std::vector<uint8_t> ReadAll(const std::string& path);

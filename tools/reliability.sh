@@ -122,5 +122,10 @@ for s in "${stages[@]}"; do
   esac
 done
 printf '\nreliability stage times: %s\n' "$(IFS=,; echo "${times[*]}")"
-[ $rc -eq 0 ] && echo "reliability: all stages passed" || echo "reliability: FAILED"
+if [ $rc -eq 0 ]; then
+  rm -rf "$reports"
+  echo "reliability: all stages passed"
+else
+  echo "reliability: FAILED (sanitizer reports, if any, in $reports)"
+fi
 exit $rc

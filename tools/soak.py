@@ -246,4 +246,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if "harness" in sys.modules:
+        sys.modules["harness"].remove_tmp(rc == 0)
+    sys.exit(rc)

@@ -17,8 +17,18 @@ t2=$(date +%s)
 stage "tests"
 # Idle OpenMP threads sleep instead of spinning, so concurrent test processes do not starve each other.
 export OMP_WAIT_POLICY=PASSIVE
+# The tests' temporary files (Python's tempfile, mktemp, the C++ tests' TempDir) go to a directory of this
+# run. A test that leaves files there although every test passed fails the run; the directory is removed
+# when everything passed and kept (its path printed) when not, for the servers' logs.
+TMPDIR=$(mktemp -d /tmp/qkv-test.XXXXXX)
+export TMPDIR
 rc=0
 (cd build && ctest --output-on-failure -j2 "$@") || rc=$?
+left=$(find "$TMPDIR" -mindepth 1 -maxdepth 1 | head -n 20 || true)
+if [ $rc -eq 0 ] && [ -n "$left" ]; then
+  printf 'tests: every test passed but these were left in %s:\n%s\n' "$TMPDIR" "$left"
+  rc=1
+fi
 t3=$(date +%s)
 rrc=0
 if [ -z "${QKV_QUICK:-}" ]; then
@@ -28,4 +38,9 @@ fi
 t4=$(date +%s)
 printf '\nstage times: dependencies %ss, build %ss, tests %ss, reliability %ss\n' $((t1 - t0)) $((t2 - t1)) \
   $((t3 - t2)) $((t4 - t3))
-[ $rc -eq 0 ] && [ $rrc -eq 0 ] || exit 1
+if [ $rc -eq 0 ] && [ $rrc -eq 0 ]; then
+  rm -rf "$TMPDIR"
+else
+  echo "tests: temporary files kept in $TMPDIR"
+  exit 1
+fi

@@ -108,4 +108,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    import harness
+    harness.remove_tmp(rc == 0)
+    sys.exit(rc)

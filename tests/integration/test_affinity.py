@@ -144,4 +144,5 @@ class AffinityTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(verbosity=2)
+    import harness
+    harness.main(verbosity=2)

@@ -267,4 +267,5 @@ class ApiFuzzTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    import harness
+    harness.main()

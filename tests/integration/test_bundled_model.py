@@ -119,4 +119,5 @@ class BundledModelTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(verbosity=2)
+    import harness
+    harness.main(verbosity=2)

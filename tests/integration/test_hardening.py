@@ -6,7 +6,7 @@ import unittest
 
 import grpc
 
-from harness import Server, collect, greedy, pb
+from harness import TMP, Server, collect, greedy, pb
 
 
 class HardeningTest(unittest.TestCase):
@@ -116,7 +116,7 @@ class QuotaTest(unittest.TestCase):
     def test_per_key_sessions_priority_and_running(self):
         import os
         import tempfile
-        keys = os.path.join(tempfile.mkdtemp(), "keys")
+        keys = os.path.join(tempfile.mkdtemp(dir=TMP), "keys")
         with open(keys, "w") as f:
             f.write("# key quotas\nalpha sessions=2 priority=0..5 running=1\nbeta\n")
         s = Server("--api-keys", keys, "--max-sessions-per-key", "3")
@@ -158,7 +158,7 @@ class QuotaTest(unittest.TestCase):
         import subprocess
         import tempfile
         from harness import BIN, make_model
-        keys = os.path.join(tempfile.mkdtemp(), "keys")
+        keys = os.path.join(tempfile.mkdtemp(dir=TMP), "keys")
         with open(keys, "w") as f:
             f.write("alpha sessions=lots\n")
         r = subprocess.run([os.path.join(BIN, "qkvserve"), "--model", make_model(), "--api-keys", keys],
@@ -176,7 +176,7 @@ class EngineFaultTest(unittest.TestCase):
         import shutil
         import struct
         import sys
-        from harness import TMP, make_model
+        from harness import make_model
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reference"))
         from gguf_ref import Gguf
         # A final norm of 1e38 (finite, so the loader accepts it) makes every logit overflow to +-inf.
@@ -275,7 +275,7 @@ class ProcessLifeTest(unittest.TestCase):
         from harness import BIN, make_model
 
         def arena_mib(env):
-            d = tempfile.mkdtemp()
+            d = tempfile.mkdtemp(dir=TMP)
             ready = os.path.join(d, "ready")
             p = subprocess.Popen([os.path.join(BIN, "qkvserve"), "--model", make_model(), "--listen", "127.0.0.1:0",
                                   "--metrics-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--threads", "1", "--ready-file", ready],
@@ -292,7 +292,7 @@ class ProcessLifeTest(unittest.TestCase):
             return float(m.group(1))
 
         host = arena_mib({})
-        cg = tempfile.mkdtemp()
+        cg = tempfile.mkdtemp(dir=TMP)
         with open(os.path.join(cg, "memory.max"), "w") as f:
             f.write(str(60 << 20))
         with open(os.path.join(cg, "memory.current"), "w") as f:
@@ -345,4 +345,5 @@ class ProcessLifeTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    import harness
+    harness.main()

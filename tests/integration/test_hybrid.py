@@ -171,4 +171,5 @@ class HybridTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(verbosity=2)
+    import harness
+    harness.main(verbosity=2)

@@ -311,4 +311,5 @@ class PrometheusTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(verbosity=2)
+    import harness
+    harness.main(verbosity=2)

@@ -88,4 +88,5 @@ class SameBitsTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    import harness
+    harness.main()

@@ -446,4 +446,5 @@ class TokenizerFlagTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(verbosity=2)
+    import harness
+    harness.main(verbosity=2)

@@ -212,4 +212,5 @@ class StormTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    import harness
+    harness.main()
