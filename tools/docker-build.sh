@@ -11,7 +11,8 @@ if ! docker info >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker.io >/dev/null 2>&1 || {
       echo "docker-build: cannot install docker.io"; exit 3; }
   fi
-  nohup dockerd --iptables=false --bridge=none --storage-driver=overlay2 >"$log" 2>&1 &
+  # Without TMPDIR: tools/test.sh points it into its own directory, which a daemon must not keep files in.
+  env -u TMPDIR nohup dockerd --iptables=false --bridge=none --storage-driver=overlay2 >"$log" 2>&1 &
   echo $! > /tmp/qkv-dockerd.pid
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
   if ! docker info >/dev/null 2>&1; then
