@@ -209,6 +209,19 @@ inline void WeightedSumI8Block(float* const* w, int group, const uint8_t* region
   Kernels::SumI8(wc, group, v, nj, hd, o);
 }
 
+// LoadRow8 that also asks for the line at the same offset from pf, once per 64 bytes read (AttendDirect: pf
+// is the region kDirectAhead blocks on).
+template <bool BF16>
+struct LoadRow8Pf {
+  LoadRow8<BF16> in;
+  const uint8_t* pf;
+  __m256 operator()(size_t i) const {
+    constexpr size_t kEl = BF16 ? 2 : 4;
+    if ((i * kEl) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kEl), _MM_HINT_T0);
+    return in(i);
+  }
+};
+
 // The f32/bf16 kernels of AttendBody at each kernel level (kernels/cpu.h). Both give the same bits: every
 // lane of a score is one key's FMA chain over the dims in order, then × scale; every output element one FMA
 // chain over the positions in order; FastExp16 runs FastExp8's operations lane by lane; bf16 → f32 and max
@@ -239,11 +252,14 @@ struct Avx2Kernels {
   // f32/bf16 blocks read in registers (AttendDirect), as Avx512Kernels' with two 8-lane halves per 16 lanes.
   template <int NH, int NB, bool BF16>
   static void ScoresTile(const float* const* q, const uint8_t* const* kt, int hd, float scale, float* const* sc,
-                         int sc_off) {
+                         int sc_off, const uint8_t* const* pf) {
     __m256 a[NB][NH][2];
     for (int b = 0; b < NB; ++b)
       for (int h = 0; h < NH; ++h) a[b][h][0] = a[b][h][1] = _mm256_setzero_ps();
+    constexpr size_t kRow = BF16 ? 32 : 64;  // bytes of one dim's 16 keys
     for (int d = 0; d < hd; ++d) {
+      if (pf != nullptr && (d * kRow) % 64 == 0)
+        for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(pf[b] + d * kRow), _MM_HINT_T0);
       __m256 k[NB][2];
       for (int b = 0; b < NB; ++b) {
         k[b][0] = LoadRow8<BF16>{kt[b]}(static_cast<size_t>(d) * 16);
@@ -266,26 +282,31 @@ struct Avx2Kernels {
   }
   template <int NH, int NB, bool BF16>
   static void ScoresHeads(const float* const* q, const uint8_t* const* kt, int nb, int hd, float scale,
-                          float* const* sc) {
+                          float* const* sc, const uint8_t* const* pf) {
     int b = 0;
-    for (; b + NB <= nb; b += NB) ScoresTile<NH, NB, BF16>(q, kt + b, hd, scale, sc, 16 * b);
-    for (; b < nb; ++b) ScoresTile<NH, 1, BF16>(q, kt + b, hd, scale, sc, 16 * b);
+    for (; b + NB <= nb; b += NB) ScoresTile<NH, NB, BF16>(q, kt + b, hd, scale, sc, 16 * b, pf ? pf + b : nullptr);
+    for (; b < nb; ++b) ScoresTile<NH, 1, BF16>(q, kt + b, hd, scale, sc, 16 * b, pf ? pf + b : nullptr);
   }
+  // pf: nullptr, or per block the address to prefetch from as its keys are read (the first tile of heads
+  // reads the blocks from memory; the others find them in cache).
   template <bool BF16>
   static void ScoresBlocks(const float* const* q, int n, const uint8_t* const* kt, int nb, int hd, float scale,
-                           float* const* sc) {
+                           float* const* sc, const uint8_t* const* pf) {
     int h = 0;
-    for (; h + 4 <= n; h += 4) ScoresHeads<4, 1, BF16>(q + h, kt, nb, hd, scale, sc + h);
+    for (; h + 4 <= n; h += 4) ScoresHeads<4, 1, BF16>(q + h, kt, nb, hd, scale, sc + h, h == 0 ? pf : nullptr);
+    const uint8_t* const* pf_rest = h == 0 ? pf : nullptr;
     switch (n - h) {
-      case 3: ScoresHeads<3, 1, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
-      case 2: ScoresHeads<2, 2, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
-      case 1: ScoresHeads<1, 4, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      case 3: ScoresHeads<3, 1, BF16>(q + h, kt, nb, hd, scale, sc + h, pf_rest); break;
+      case 2: ScoresHeads<2, 2, BF16>(q + h, kt, nb, hd, scale, sc + h, pf_rest); break;
+      case 1: ScoresHeads<1, 4, BF16>(q + h, kt, nb, hd, scale, sc + h, pf_rest); break;
       default: break;
     }
   }
-  // hd is a multiple of 16; v: one block's values, [nj][hd].
+  // hd is a multiple of 16; v: one block's values, [nj][hd]; pf: nullptr, or where to prefetch from as v is read.
   template <bool BF16>
-  static void SumBlock(const float* const* w, int n, const uint8_t* v, int nj, int hd, float* const* o) {
+  static void SumBlock(const float* const* w, int n, const uint8_t* v, int nj, int hd, float* const* o,
+                       const uint8_t* pf) {
+    if (pf != nullptr) return WeightedSum8(w, n, LoadRow8Pf<BF16>{{v}, pf}, nj, hd, o);
     WeightedSum8(w, n, LoadRow8<BF16>{v}, nj, hd, o);
   }
   template <int NH>
@@ -336,6 +357,18 @@ QKV_AVX512 inline void WeightedSum16(const float* const* w, int n, const Load& l
     default: break;
   }
 }
+
+// LoadRow8Pf with 16 lanes.
+template <bool BF16>
+struct LoadRow16Pf {
+  LoadRow16<BF16> in;
+  const uint8_t* pf;
+  QKV_AVX512 __m512 operator()(size_t i) const {
+    constexpr size_t kEl = BF16 ? 2 : 4;
+    if ((i * kEl) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kEl), _MM_HINT_T0);
+    return in(i);
+  }
+};
 
 struct Avx512Kernels {
   static constexpr int kI8ScoreHeads = 8;  // one zmm accumulator each: 8 chains in flight
@@ -403,11 +436,14 @@ struct Avx512Kernels {
   // Scores of NH heads against NB blocks of 16 transposed keys: sc[h] + 16 * b receives block b's.
   template <int NH, int NB, bool BF16>
   QKV_AVX512 static void ScoresTile(const float* const* q, const uint8_t* const* kt, int hd, float scale,
-                                    float* const* sc, int sc_off) {
+                                    float* const* sc, int sc_off, const uint8_t* const* pf) {
     __m512 a[NB][NH];
     for (int b = 0; b < NB; ++b)
       for (int h = 0; h < NH; ++h) a[b][h] = _mm512_setzero_ps();
+    constexpr size_t kRow = BF16 ? 32 : 64;
     for (int d = 0; d < hd; ++d) {
+      if (pf != nullptr && (d * kRow) % 64 == 0)
+        for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(pf[b] + d * kRow), _MM_HINT_T0);
       __m512 k[NB];
       for (int b = 0; b < NB; ++b) k[b] = LoadRow16<BF16>{kt[b]}(static_cast<size_t>(d) * 16);
       for (int h = 0; h < NH; ++h) {
@@ -422,29 +458,32 @@ struct Avx512Kernels {
   // NH heads against nb blocks, NB at a time.
   template <int NH, int NB, bool BF16>
   QKV_AVX512 static void ScoresHeads(const float* const* q, const uint8_t* const* kt, int nb, int hd, float scale,
-                                     float* const* sc) {
+                                     float* const* sc, const uint8_t* const* pf) {
     int b = 0;
-    for (; b + NB <= nb; b += NB) ScoresTile<NH, NB, BF16>(q, kt + b, hd, scale, sc, 16 * b);
-    for (; b < nb; ++b) ScoresTile<NH, 1, BF16>(q, kt + b, hd, scale, sc, 16 * b);
+    for (; b + NB <= nb; b += NB) ScoresTile<NH, NB, BF16>(q, kt + b, hd, scale, sc, 16 * b, pf ? pf + b : nullptr);
+    for (; b < nb; ++b) ScoresTile<NH, 1, BF16>(q, kt + b, hd, scale, sc, 16 * b, pf ? pf + b : nullptr);
   }
   // Scores of heads [0, n) against nb consecutive 16-slot blocks (kt[i]: block i's keys, [hd][16]); sc[h]
   // is head h's score row at the first block.
   template <bool BF16>
   QKV_AVX512 static void ScoresBlocks(const float* const* q, int n, const uint8_t* const* kt, int nb, int hd,
-                                      float scale, float* const* sc) {
+                                      float scale, float* const* sc, const uint8_t* const* pf) {
     int h = 0;
-    for (; h + 8 <= n; h += 8) ScoresHeads<8, 2, BF16>(q + h, kt, nb, hd, scale, sc + h);
-    if (h + 4 <= n) ScoresHeads<4, 4, BF16>(q + h, kt, nb, hd, scale, sc + h), h += 4;
+    for (; h + 8 <= n; h += 8) ScoresHeads<8, 2, BF16>(q + h, kt, nb, hd, scale, sc + h, h == 0 ? pf : nullptr);
+    if (h + 4 <= n) ScoresHeads<4, 4, BF16>(q + h, kt, nb, hd, scale, sc + h, h == 0 ? pf : nullptr), h += 4;
+    const uint8_t* const* pf_rest = h == 0 ? pf : nullptr;
     switch (n - h) {
-      case 3: ScoresHeads<3, 4, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
-      case 2: ScoresHeads<2, 8, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
-      case 1: ScoresHeads<1, 8, BF16>(q + h, kt, nb, hd, scale, sc + h); break;
+      case 3: ScoresHeads<3, 4, BF16>(q + h, kt, nb, hd, scale, sc + h, pf_rest); break;
+      case 2: ScoresHeads<2, 8, BF16>(q + h, kt, nb, hd, scale, sc + h, pf_rest); break;
+      case 1: ScoresHeads<1, 8, BF16>(q + h, kt, nb, hd, scale, sc + h, pf_rest); break;
       default: break;
     }
   }
   // hd is a multiple of 16; v: one block's values, [nj][hd].
   template <bool BF16>
-  QKV_AVX512 static void SumBlock(const float* const* w, int n, const uint8_t* v, int nj, int hd, float* const* o) {
+  QKV_AVX512 static void SumBlock(const float* const* w, int n, const uint8_t* v, int nj, int hd, float* const* o,
+                                  const uint8_t* pf) {
+    if (pf != nullptr) return WeightedSum16(w, n, LoadRow16Pf<BF16>{{v}, pf}, nj, hd, o);
     WeightedSum16(w, n, LoadRow16<BF16>{v}, nj, hd, o);
   }
   // The int8 kernels with 16 lanes: a block's 16 keys in one zmm, 16 value dims per zmm. Each lane runs
@@ -533,8 +572,13 @@ struct HeadChunk {
   }
 };
 
-// f32/bf16 blocks per tile in AttendDirect.
+// f32/bf16 blocks per tile in AttendDirect, and how many blocks ahead it asks for K/V. The asking is
+// spread over the reading: one prefetch per 64 bytes read, for the line kDirectAhead blocks on. Asking
+// for 8 blocks (256 lines) at once every 8 blocks, as before, stalled the thread once the core's miss
+// buffers were full; spread, decode attention took ~22% less time at 512 and 1536 positions (docs/performance.md,
+// "Decode attention: prefetch spread over the reads").
 constexpr int kDirectBlocks = 8;
+constexpr int kDirectAhead = 8;
 
 // Softmax per head of group g over [0, n_ctx) of its score rows (stride apart), with the optional sink in
 // the denominator; zeroes the heads' outputs for pass 2.
@@ -577,42 +621,49 @@ inline void AttendDirect(const KvCache& kv, int layer, const int* blocks, int n_
   float* const* outs = hc.outs;
   auto chunk = [&](int c0, int b) { return hc.Set(c0, b); };
   const bool bf16 = s.dtype == DType::kBF16;
-  // Pass 1 over groups of kDirectBlocks blocks; each group prefetches the next (K, then pass 2's first V).
-  auto prefetch = [&](int i) {
-    if (i < n_blocks) {
-      PrefetchBytes(kv.K(layer, blocks[i], g), kv_bytes);
-    } else if (i < 2 * n_blocks) {
-      PrefetchBytes(kv.V(layer, blocks[i - n_blocks], g), kv_bytes);
-    }
+  // Pass 1 reads K, pass 2 V, in position order: 2 n_blocks regions of kv_bytes, region i being K of block i,
+  // then V of block i − n_blocks. The first kDirectAhead are asked for up front; after that the kernels ask
+  // for region i + kDirectAhead line by line as they read region i (ScoresTile, LoadRow16Pf).
+  auto next = [&](int i) -> const uint8_t* {
+    if (i < n_blocks) return kv.K(layer, blocks[i], g);
+    if (i < 2 * n_blocks) return kv.V(layer, blocks[i - n_blocks], g);
+    return nullptr;
   };
-  for (int i = 0; i < std::min(kDirectBlocks, n_blocks); ++i) prefetch(i);
+  auto prefetch = [&](int i) {
+    if (const uint8_t* p = next(i)) PrefetchBytes(p, kv_bytes);
+  };
+  for (int i = 0; i < std::min(kDirectAhead, n_blocks); ++i) prefetch(i);
   const uint8_t* kt[kDirectBlocks];
+  const uint8_t* ahead[kDirectBlocks];  // what to ask for while block i is read: kDirectAhead blocks on
   for (int b = 0; b < n_blocks; b += kDirectBlocks) {
     const int nb = std::min(kDirectBlocks, n_blocks - b);
     for (int i = 0; i < nb; ++i) {
-      prefetch(b + kDirectBlocks + i);
       kt[i] = kv.K(layer, blocks[b + i], g);
+      const uint8_t* a = next(b + i + kDirectAhead);
+      ahead[i] = a != nullptr ? a : kt[i];
     }
     for (int c0 = 0; c0 < group; c0 += HeadChunk::kChunk) {
       const int n = chunk(c0, b);
+      const uint8_t* const* pf = c0 == 0 ? ahead : nullptr;  // later chunks read the same keys, in cache
       if (bf16) {
-        Kernels::template ScoresBlocks<true>(qp, n, kt, nb, hd, scale, rows);
+        Kernels::template ScoresBlocks<true>(qp, n, kt, nb, hd, scale, rows, pf);
       } else {
-        Kernels::template ScoresBlocks<false>(qp, n, kt, nb, hd, scale, rows);
+        Kernels::template ScoresBlocks<false>(qp, n, kt, nb, hd, scale, rows, pf);
       }
     }
   }
   Softmax<Kernels>(scores, stride, n_ctx, out, shape, g);
   for (int b = 0; b < n_blocks; ++b) {
-    if (b + kDirectBlocks < n_blocks) PrefetchBytes(kv.V(layer, blocks[b + kDirectBlocks], g), kv_bytes);
     const int nj = std::min(bs, n_ctx - b * bs);
     const uint8_t* v = kv.V(layer, blocks[b], g);
+    const uint8_t* a = next(n_blocks + b + kDirectAhead);
+    const uint8_t* vpf = a != nullptr ? a : v;
     for (int c0 = 0; c0 < group; c0 += HeadChunk::kChunk) {
       const int n = chunk(c0, b);
       if (bf16) {
-        Kernels::template SumBlock<true>(rows, n, v, nj, hd, outs);
+        Kernels::template SumBlock<true>(rows, n, v, nj, hd, outs, c0 == 0 ? vpf : nullptr);
       } else {
-        Kernels::template SumBlock<false>(rows, n, v, nj, hd, outs);
+        Kernels::template SumBlock<false>(rows, n, v, nj, hd, outs, c0 == 0 ? vpf : nullptr);
       }
     }
   }
