@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -686,8 +687,9 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& opt, 
     if (!key || !cert) return InvalidArgument("--tls-cert and --tls-key must both be readable files");
     std::stringstream pem;
     pem << key.rdbuf() << "\n" << cert.rdbuf();
-    char path[] = "/tmp/qkvserve-http-XXXXXX";
-    const int fd = mkstemp(path);
+    const char* tmpdir = std::getenv("TMPDIR");
+    std::string path = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/qkvserve-http-XXXXXX";
+    const int fd = mkstemp(path.data());
     if (fd < 0) return Status(StatusCode::kInternal, "cannot create a temporary file for the TLS key");
     fchmod(fd, 0600);
     const std::string data = pem.str();
@@ -717,7 +719,7 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& opt, 
   mg_init_library(s->tls_ ? MG_FEATURES_SSL : 0);
   s->ctx_ = mg_start(&cb, nullptr, options);
   // civetweb has read the key into its SSL context: the copy on disk goes now, not at exit (a crash or a
-  // SIGKILL would otherwise leave the private key in /tmp).
+  // SIGKILL would otherwise leave the private key in $TMPDIR or /tmp).
   if (!s->pem_file_.empty()) {
     unlink(s->pem_file_.c_str());
     s->pem_file_.clear();

@@ -13,11 +13,12 @@ namespace qkv::testing {
 
 std::string TempDir() {
   static std::string dir = [] {
-    const char* base = std::getenv("TMPDIR");  // tools/test.sh gives each run its own
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/qkvtest.XXXXXX";
+    const char* env = std::getenv("TMPDIR");  // tools/test.sh gives each run its own
+    const std::string base = env && *env ? env : "/tmp";
+    std::string tmpl = base + "/qkvtest.XXXXXX";
     const char* d = mkdtemp(tmpl.data());
     EXPECT_NE(d, nullptr);
-    if (d == nullptr) return std::string(base && *base ? base : "/tmp");  // never removed: not ours
+    if (d == nullptr) return base;  // never removed: not ours
     static struct Cleanup {
       std::string path;
       ~Cleanup() { std::filesystem::remove_all(path); }

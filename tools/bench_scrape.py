@@ -64,8 +64,10 @@ def main():
 
 
 if __name__ == "__main__":
+    import harness
+    ok = False
     try:
         main()
+        ok = True
     finally:
-        import harness
-        harness.remove_tmp()
+        harness.remove_tmp(ok)
