@@ -160,9 +160,9 @@ void GqaAttention::Forward(float* x, const StepRows& rows, const LayerScratch& s
 }
 
 // One token, every thread of the team: each thread normalizes the row for itself and computes its share
-// of the QKV columns; after a barrier, one work item per kv head does that group's q/k norm and RoPE,
-// stores the head's K/V and attends (no other item reads them); after the loop's barrier, each thread
-// adds its share of the o projection to x. The same operations on the same values as Forward.
+// of the QKV columns; after a barrier, one work item per kv head (each thread a fixed run of them) does that
+// group's q/k norm and RoPE, stores the head's K/V and attends (no other item reads them); after the loop's barrier,
+// each thread adds its share of the o projection to x. The same operations on the same values as Forward.
 void GqaAttention::ForwardTeam(float* x, const StepRows& rows, const LayerScratch& s) {
   const ModelConfig& c = c_;
   const int hd = c.head_dim, q_dim = c.q_dim(), kv_dim = c.kv_dim();
@@ -180,7 +180,10 @@ void GqaAttention::ForwardTeam(float* x, const StepRows& rows, const LayerScratc
   const int pos = rows.pos[0];
   const int* blocks = rows.batch[rows.chunk_of[0]].seq->blocks.data();
   const AttentionShape as{c.n_heads, c.n_kv_heads, hd, c.attention_sinks ? sinks_.data() : nullptr};
-#pragma omp for schedule(dynamic, 1) nowait
+  // Each thread a fixed run of consecutive kv heads (static), the same for every layer and token: with
+  // dynamic, one item at a time, decode attention took ~20% more time at 512-1536 positions of context
+  // (docs/performance.md, "Decode attention: a fixed share of kv heads per thread").
+#pragma omp for schedule(static) nowait
   for (int g = 0; g < c.n_kv_heads; ++g) {
     for (int hh = g * group; hh < (g + 1) * group; ++hh) {
       float* q = qkv + hh * hd;
