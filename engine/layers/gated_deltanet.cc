@@ -350,7 +350,9 @@ void GatedDeltaNet::ForwardTeam(float* x, const StepRows& rows, const LayerScrat
   }
   s.Barrier();
   if (timer) timer->Mark(pf.rope_store);
-#pragma omp for schedule(dynamic, 1) nowait
+    // A fixed run of heads per thread, so a head's state is updated by the same core every token (as the
+    // attention's kv heads; docs/performance.md, "Decode attention: a fixed share of kv heads per thread").
+#pragma omp for schedule(static) nowait
   for (int hh = 0; hh < la_.n_v_heads; ++hh) {
     Head(hh, 0, 1, pos, v);
     GateHead(0, hh);
