@@ -350,10 +350,10 @@ void GatedDeltaNet::ForwardTeam(float* x, const StepRows& rows, const LayerScrat
   }
   s.Barrier();
   if (timer) timer->Mark(pf.rope_store);
-    // A fixed run of heads per thread, so a head's state is updated by the same core every token (as the
-    // attention's kv heads; docs/performance.md, "Decode attention: a fixed share of kv heads per thread").
 #pragma omp for schedule(static) nowait
   for (int hh = 0; hh < la_.n_v_heads; ++hh) {
+    // static: a fixed run of heads per thread, so a head's state is updated by the same core every token (as
+    // the attention's kv heads; docs/performance.md, "Decode attention: a fixed share of kv heads per thread").
     Head(hh, 0, 1, pos, v);
     GateHead(0, hh);
   }
