@@ -8,7 +8,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -687,8 +686,10 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& opt, 
     if (!key || !cert) return InvalidArgument("--tls-cert and --tls-key must both be readable files");
     std::stringstream pem;
     pem << key.rdbuf() << "\n" << cert.rdbuf();
-    const char* tmpdir = std::getenv("TMPDIR");
-    std::string path = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/qkvserve-http-XXXXXX";
+    std::error_code ec;  // TMPDIR when it names a directory, else /tmp
+    std::filesystem::path dir = std::filesystem::temp_directory_path(ec);
+    if (ec) dir = "/tmp";
+    std::string path = (dir / "qkvserve-http-XXXXXX").string();
     const int fd = mkstemp(path.data());
     if (fd < 0) return Status(StatusCode::kInternal, "cannot create a temporary file for the TLS key");
     fchmod(fd, 0600);
