@@ -632,7 +632,7 @@ inline void AttendDirect(const KvCache& kv, int layer, const int* blocks, int n_
   auto prefetch = [&](int i) {
     if (const uint8_t* p = next(i)) PrefetchBytes(p, kv_bytes);
   };
-  for (int i = 0; i < std::min(kDirectAhead, n_blocks); ++i) prefetch(i);
+  for (int i = 0; i < std::min(kDirectAhead, 2 * n_blocks); ++i) prefetch(i);
   const uint8_t* kt[kDirectBlocks];
   const uint8_t* ahead[kDirectBlocks];  // what to ask for while block i is read: kDirectAhead blocks on
   for (int b = 0; b < n_blocks; b += kDirectBlocks) {
