@@ -22,10 +22,11 @@ if [ "$(rank "$got")" -lt "$want" ]; then
   exit 77
 fi
 # The engine's own kernels are capped to the same class of CPU (kernels/cpu.h): AVX2 machines have no
-# AVX-512; AVX512_CORE ones (Skylake-SP) have no VNNI; the levels above have VNNI; AMX ones run bf16
-# weights on the engine's AMX GEMM.
+# AVX-512; AVX512_CORE ones (Skylake-SP) have no VNNI; AVX512_CORE_VNNI ones (Cascade/Ice Lake) no BF16;
+# AVX512_CORE_BF16 ones run bf16 weights on the packed GEMM's bf16 form, AMX ones on the AMX GEMM.
 case $level in
-  AVX2) kernels=avx2 ;; AVX512_CORE) kernels=avx512 ;; AVX512_CORE_AMX) kernels=amx ;; *) kernels=avx512_vnni ;;
+  AVX2) kernels=avx2 ;; AVX512_CORE) kernels=avx512 ;; AVX512_CORE_VNNI) kernels=avx512_vnni ;;
+  AVX512_CORE_BF16) kernels=avx512_bf16 ;; AVX512_CORE_AMX) kernels=amx ;;
 esac
 export ONEDNN_MAX_CPU_ISA=$level QKV_MAX_ISA=$kernels OMP_WAIT_POLICY=PASSIVE QKV_BIN=$bin
 echo "isa $level: oneDNN runs at $got; own kernels capped to $kernels"

@@ -111,7 +111,10 @@ TEST(Linear, PackedBackendIsUsedWhenForced) {
   ASSERT_TRUE(lin.ok());
   EXPECT_EQ((*lin)->backend(), GemmBackend::kPacked);
   EXPECT_EQ((*lin)->input_dtype(), DType::kF32);
-  EXPECT_EQ(rt.Summary(), std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x bf16");
+  const std::string form = ActiveKernelIsa() >= KernelIsa::kAvx512Bf16
+                               ? std::string("packed avx512_bf16 bf16 x bf16")
+                               : std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x bf16";
+  EXPECT_EQ(rt.Summary(), form);
 }
 
 // The packed GEMM gives the same bits at every kernel level this CPU has (AVX2: two ymm per panel; AVX-512:
@@ -136,8 +139,10 @@ TEST(Linear, PackedGivesTheSameBitsAtEveryKernelLevel) {
       for (auto& v : x) v = u(rng);
       for (bool with_bias : {false, true}) {
         GemmRuntime rt(2);
+        SetKernelIsaForTesting(KernelIsa::kAvx512Vnni);  // the f32 form (above it, bf16 weights take the bf16 form)
         auto lin = Linear::Create(rt, w.data(), with_bias ? b.data() : nullptr, s.n, s.k, dt);
         ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+        ASSERT_EQ(rt.Summary().find("bf16 x bf16"), std::string::npos) << rt.Summary();
         for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 17, 24, 25, 37, 100, 130}) {
           std::vector<float> y2(static_cast<size_t>(m) * s.n), y5(y2.size());
           SetKernelIsaForTesting(KernelIsa::kAvx2);
@@ -203,6 +208,64 @@ TEST(Linear, AmxRowsAreIndependentOfMAndMatchTheBf16Product) {
       }
     }
   }
+}
+
+void CheckNaiveProduct(DType dt);
+
+// The packed GEMM's bf16 form (kernel level avx512_bf16: vdpbf16ps over k-pairs, activations rounded to
+// bf16) is what bf16 weights run on at that level: every row has the bits of the same row alone at every M
+// and team size, partial panels and odd K included, and equals the product of the bf16-rounded inputs up to
+// f32 accumulation. Skipped where the CPU has no AVX512_BF16.
+TEST(Linear, Bf16DotFormRowsAreIndependentOfMAndMatchTheBf16Product) {
+  testing::KernelLevelGuard guard;
+  if (CpuKernelIsa() < KernelIsa::kAvx512Bf16) {
+    std::printf("kernel level avx512_bf16: skipped (this CPU has up to %s)\n", KernelIsaName(CpuKernelIsa()));
+    GTEST_SKIP() << "no AVX512_BF16";
+  }
+  SetKernelIsaForTesting(KernelIsa::kAvx512Bf16);
+  {
+    GemmRuntime rt(2);
+    std::vector<float> w(40 * 24, 0.5f);
+    auto lin = Linear::Create(rt, w.data(), nullptr, 40, 24, DType::kBF16);
+    ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+    EXPECT_EQ((*lin)->backend(), GemmBackend::kPacked);
+    EXPECT_EQ(rt.Summary(), "packed avx512_bf16 bf16 x bf16");
+    EXPECT_TRUE(rt.any_bf16_compute());
+  }
+  for (Shape s : kShapes) CheckRows(DType::kBF16, s, 2, AllM());
+  for (Shape s : {Shape{7, 5}, Shape{33, 17}, Shape{100, 64}, Shape{272, 41}}) {
+    CheckRows(DType::kBF16, s, 1, AllM());
+    CheckRows(DType::kBF16, s, 3, AllM());
+  }
+  CheckNaiveProduct(DType::kBF16);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (Shape s : {Shape{33, 17}, Shape{272, 41}, Shape{96, 896}}) {
+    std::vector<float> w(static_cast<size_t>(s.n) * s.k), b(s.n);
+    for (auto& v : w) v = u(rng);
+    for (auto& v : b) v = u(rng);
+    const int m = 19;
+    std::vector<float> x(static_cast<size_t>(PaddedRows(m)) * s.k), y(static_cast<size_t>(PaddedRows(m)) * s.n);
+    for (auto& v : x) v = u(rng);
+    GemmRuntime rt(2);
+    auto lin = Linear::Create(rt, w.data(), b.data(), s.n, s.k, DType::kBF16);
+    ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+    (*lin)->Forward(x.data(), m, y.data());
+    for (int r = 0; r < m; ++r) {
+      for (int c = 0; c < s.n; ++c) {
+        double ref = 0, mag = 0;
+        for (int i = 0; i < s.k; ++i) {
+          const double p = static_cast<double>(Bf16ToF32(F32ToBf16(x[static_cast<size_t>(r) * s.k + i]))) *
+                           Bf16ToF32(F32ToBf16(w[static_cast<size_t>(c) * s.k + i]));
+          ref += p;
+          mag += std::fabs(p);
+        }
+        ASSERT_NEAR(y[static_cast<size_t>(r) * s.n + c], ref + b[c], 1e-6 * mag + 1e-6)
+            << s.n << "x" << s.k << " (" << r << "," << c << ")";
+      }
+    }
+  }
+  std::printf("kernel level avx512_bf16: bf16 form checked\n");
 }
 
 // Below kernel level amx the AMX GEMM is not chosen, and forcing it is refused with a message naming the level.

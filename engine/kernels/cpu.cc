@@ -33,16 +33,20 @@ int Detect() {
                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   if (!v4) return static_cast<int>(KernelIsa::kAvx2);
   if (!__builtin_cpu_supports("avx512vnni")) return static_cast<int>(KernelIsa::kAvx512);
-  return static_cast<int>(AmxUsable() ? KernelIsa::kAmx : KernelIsa::kAvx512Vnni);
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  const bool bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);  // CPUID.(7,1):EAX.AVX512_BF16
+  if (!bf16) return static_cast<int>(KernelIsa::kAvx512Vnni);
+  return static_cast<int>(AmxUsable() ? KernelIsa::kAmx : KernelIsa::kAvx512Bf16);
 }
 
 StatusOr<KernelIsa> Parse(const char* v) {
   const std::string s = v ? v : "";
   if (s.empty()) return CpuKernelIsa();
-  for (KernelIsa i : {KernelIsa::kAvx2, KernelIsa::kAvx512, KernelIsa::kAvx512Vnni, KernelIsa::kAmx}) {
+  for (KernelIsa i :
+       {KernelIsa::kAvx2, KernelIsa::kAvx512, KernelIsa::kAvx512Vnni, KernelIsa::kAvx512Bf16, KernelIsa::kAmx}) {
     if (s == KernelIsaName(i)) return std::min(i, CpuKernelIsa());
   }
-  return InvalidArgument("QKV_MAX_ISA must be avx2, avx512, avx512_vnni or amx, got '" + s + "'");
+  return InvalidArgument("QKV_MAX_ISA must be avx2, avx512, avx512_vnni, avx512_bf16 or amx, got '" + s + "'");
 }
 
 // -1: not decided yet.
@@ -55,6 +59,7 @@ const char* KernelIsaName(KernelIsa isa) {
     case KernelIsa::kAvx2: return "avx2";
     case KernelIsa::kAvx512: return "avx512";
     case KernelIsa::kAvx512Vnni: return "avx512_vnni";
+    case KernelIsa::kAvx512Bf16: return "avx512_bf16";
     case KernelIsa::kAmx: return "amx";
   }
   return "?";

@@ -6,27 +6,31 @@
 //   avx2         AVX2 + FMA (the build's baseline)
 //   avx512       AVX-512 F, BW, DQ, VL (x86-64-v4: Skylake-SP and later, Zen 4 and later)
 //   avx512_vnni  avx512 + VNNI integer dot products (Cascade Lake and later, Zen 4 and later)
-//   amx          avx512_vnni + AMX-BF16 tiles, with the kernel's permission to use them (Sapphire Rapids and
+//   avx512_bf16  avx512_vnni + AVX512_BF16 dot products (Cooper Lake, Sapphire Rapids and later, Zen 4 and
+//                later): bf16 weights run on the packed GEMM's bf16 form (kernels/packed_gemm.h)
+//   amx          avx512_bf16 + AMX-BF16 tiles, with the kernel's permission to use them (Sapphire Rapids and
 //                later): bf16 weights run on the AMX GEMM (kernels/amx_gemm.h)
-// QKV_MAX_ISA=avx2|avx512|avx512_vnni|amx caps the level the way ONEDNN_MAX_CPU_ISA caps oneDNN (per process,
-// read once); a level above what the CPU has is the CPU's level. The GEMMs and the GQA attention give the
-// same bits at every level (the wider kernels run the same operations per output in the same order), which
-// tests/linear_test.cc, tests/quant_test.cc and tests/attention_test.cc check on whatever CPU runs them;
-// MLA attention's scores are 16-lane dot products at the AVX-512 levels (other bits than at avx2, the same
-// at every M and chunking within a level; kernels/mla_attention.h).
+// QKV_MAX_ISA=avx2|avx512|avx512_vnni|avx512_bf16|amx caps the level the way ONEDNN_MAX_CPU_ISA caps oneDNN
+// (per process, read once); a level above what the CPU has is the CPU's level. The f32 form of the packed
+// GEMM, the quantized GEMM and the GQA attention give the same bits at every level (the wider kernels run
+// the same operations per output in the same order), which tests/linear_test.cc, tests/quant_test.cc and
+// tests/attention_test.cc check on whatever CPU runs them; MLA attention's scores are 16-lane dot products at
+// the AVX-512 levels, and bf16 weights run on other GEMMs at avx512_bf16 and amx (other bits than below, the
+// same at every M and chunking within a level; kernels/mla_attention.h, kernels/packed_gemm.h).
 #pragma once
 
 #include <string>
 
 #include "engine/status.h"
 
-// The target attributes of the levels' functions (the x86-64-v4 subset, and with VNNI).
+// The target attributes of the levels' functions (the x86-64-v4 subset, with VNNI, with VNNI and BF16).
 #define QKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define QKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define QKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")))
 
 namespace qkv {
 
-enum class KernelIsa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2, kAmx = 3 };
+enum class KernelIsa { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 const char* KernelIsaName(KernelIsa isa);
 // What this CPU supports, ignoring the cap.

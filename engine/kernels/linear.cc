@@ -204,7 +204,11 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
     rt.NoteLayer("amx bf16 x bf16", DType::kF32, DType::kBF16);
     return lin;
   }
-  if (!forced) {
+  // bf16 weights at kernel level avx512_bf16: the packed GEMM's bf16 form, for every M (oneDNN's bf16 brgemm
+  // read the weights at 71-82% of the bandwidth at M = 1; docs/performance.md, "bf16 weights on the packed
+  // GEMM's vdpbf16ps form").
+  const bool dot = dt == DType::kBF16 && ActiveKernelIsa() >= KernelIsa::kAvx512Bf16;
+  if (!forced && !dot) {
     std::string why;
     bool no_kernel = false;
     // Largest tiles first (prefill speed), then the smallest padding (decode work).
@@ -227,11 +231,16 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
     }
     spdlog::debug("linear {}: packed GEMM ({})", shape, why);
   }
-  lin->packed_ = std::make_unique<PackedWeights>(w, bias, n, k, dt == DType::kBF16, rt.weights_arena());
+  lin->packed_ = std::make_unique<PackedWeights>(w, bias, n, k, dt == DType::kBF16, rt.weights_arena(), dot);
   lin->weight_bytes_ = lin->packed_->bytes();
   split(lin->packed_->panels());
-  rt.NoteLayer(std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x " + DTypeName(dt), DType::kF32,
-               DType::kF32);
+  if (lin->packed_->dot()) {
+    rt.NoteLayer(std::string("packed ") + KernelIsaName(lin->packed_->level()) + " bf16 x bf16", DType::kF32,
+                 DType::kBF16);
+  } else {
+    rt.NoteLayer(std::string("packed ") + KernelIsaName(PackedWeights::Level()) + " f32 x " + DTypeName(dt),
+                 DType::kF32, DType::kF32);
+  }
   return lin;
 }
 

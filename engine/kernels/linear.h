@@ -14,7 +14,10 @@
 //     for the dtype (bf16 below AVX-512), the layer runs on PackedWeights (packed_gemm.h), which gives
 //     the same bits for every M by construction.
 //   * at kernel level amx (kernels/cpu.h), bf16 weights run on AmxWeights (amx_gemm.h), which gives the
-//     same bits for every M by construction and is faster than oneDNN's AMX kernels at M = 1.
+//     same bits for every M by construction and is faster than oneDNN's AMX kernels at M = 1;
+//   * at kernel level avx512_bf16, bf16 weights run on PackedWeights' bf16 form (vdpbf16ps over k-pairs,
+//     activations rounded to bf16): oneDNN's prefill speed, and decode reads the weights at the bandwidth
+//     where oneDNN's bf16 brgemm reached 70-82% of it at M = 1.
 // QKV_GEMM=packed|onednn|amx|auto (default auto) forces a backend; onednn skips the same-kernel check (to
 // measure oneDNN, or to see the same-bits tests fail) and fails only where oneDNN has no kernel; amx
 // fails below kernel level amx.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "engine/bf16.h"
 #include "engine/kernels/cpu.h"
@@ -63,8 +64,8 @@ void Tile(const float* __restrict x, int ldx, const W* __restrict w, size_t pstr
   }
 }
 
-template <typename W>
-using TileFn = void (*)(const float*, int, const W*, size_t, int, const float*, float*, int);
+template <typename W, typename X = float>
+using TileFn = void (*)(const X*, int, const W*, size_t, int, const float*, float*, int);
 
 // Widest panel group per row count that keeps the accumulators in 16 ymm registers.
 constexpr int kMaxPanels[7] = {0, 4, 3, 2, 1, 1, 1};
@@ -145,51 +146,97 @@ QKV_AVX512 void Tile512(const float* __restrict x, int ldx, const W* __restrict 
   }
 }
 
+// The bf16 form (packed_gemm.h): MR rows × NP panels; x holds each row's bf16 values (K even, rows ldx
+// values apart), read as k-pairs of 32 bits; a panel row (one pair of k) is 16 columns' pairs in one zmm.
+// Each accumulator lane is one output's chain of vdpbf16ps over the pairs in order.
+template <int MR, int NP>
+QKV_AVX512_BF16 void TileDot(const uint16_t* __restrict x, int ldx, const uint16_t* __restrict w, size_t pstride, int K,
+                             const float* __restrict bias, float* __restrict y, int ldy) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int k = 0; k < K / 2; ++k) {
+    __m512bh wv[NP];
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * pstride + static_cast<size_t>(k) * 2 * P);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      int pair;  // values 2k and 2k + 1 of row r
+      std::memcpy(&pair, x + static_cast<size_t>(r) * ldx + 2 * k, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      __m512 a = acc[r][j];
+      if (bias) a = _mm512_add_ps(a, _mm512_loadu_ps(bias + j * P));
+      _mm512_storeu_ps(y + static_cast<size_t>(r) * ldy + j * P, a);
+    }
+  }
+}
+
 // Widest panel group per row count (up to 12) that keeps the accumulators, the panel loads and the
 // broadcast in 32 zmm registers.
 constexpr int kMaxRows512 = 12;
 constexpr int kMaxPanels512[kMaxRows512 + 1] = {0, 8, 8, 6, 5, 4, 3, 3, 3, 2, 2, 2, 2};
 
-template <typename W, int MR>
-TileFn<W> PickNp512(int np) {
+// The AVX-512 microkernels as a family: K::Fn<MR, NP> (Tile512 on weights W, or TileDot).
+template <typename W>
+struct Fma512 {
+  template <int MR, int NP>
+  static constexpr TileFn<W> Fn = Tile512<W, MR, NP>;
+};
+struct Dot512 {
+  template <int MR, int NP>
+  static constexpr TileFn<uint16_t, uint16_t> Fn = TileDot<MR, NP>;
+};
+
+template <class K, int MR>
+auto PickNp512(int np) {
   switch (std::min(np, kMaxPanels512[MR])) {
     case 2:
-      if constexpr (kMaxPanels512[MR] >= 2) return Tile512<W, MR, 2>;
+      if constexpr (kMaxPanels512[MR] >= 2) return K::template Fn<MR, 2>;
       break;
     case 3:
-      if constexpr (kMaxPanels512[MR] >= 3) return Tile512<W, MR, 3>;
+      if constexpr (kMaxPanels512[MR] >= 3) return K::template Fn<MR, 3>;
       break;
     case 4:
-      if constexpr (kMaxPanels512[MR] >= 4) return Tile512<W, MR, 4>;
+      if constexpr (kMaxPanels512[MR] >= 4) return K::template Fn<MR, 4>;
       break;
     case 5:
-      if constexpr (kMaxPanels512[MR] >= 5) return Tile512<W, MR, 5>;
+      if constexpr (kMaxPanels512[MR] >= 5) return K::template Fn<MR, 5>;
       break;
     case 6:
-      if constexpr (kMaxPanels512[MR] >= 6) return Tile512<W, MR, 6>;
+      if constexpr (kMaxPanels512[MR] >= 6) return K::template Fn<MR, 6>;
       break;
     case 8:
-      if constexpr (kMaxPanels512[MR] >= 8) return Tile512<W, MR, 8>;
+      if constexpr (kMaxPanels512[MR] >= 8) return K::template Fn<MR, 8>;
       break;
   }
-  return Tile512<W, MR, 1>;
+  return K::template Fn<MR, 1>;
 }
 
-template <typename W>
-TileFn<W> Pick512(int mr, int np) {
+template <class K>
+auto Pick512(int mr, int np) {
   switch (mr) {
-    case 1: return PickNp512<W, 1>(np);
-    case 2: return PickNp512<W, 2>(np);
-    case 3: return PickNp512<W, 3>(np);
-    case 4: return PickNp512<W, 4>(np);
-    case 5: return PickNp512<W, 5>(np);
-    case 6: return PickNp512<W, 6>(np);
-    case 7: return PickNp512<W, 7>(np);
-    case 8: return PickNp512<W, 8>(np);
-    case 9: return PickNp512<W, 9>(np);
-    case 10: return PickNp512<W, 10>(np);
-    case 11: return PickNp512<W, 11>(np);
-    default: return PickNp512<W, 12>(np);
+    case 1: return PickNp512<K, 1>(np);
+    case 2: return PickNp512<K, 2>(np);
+    case 3: return PickNp512<K, 3>(np);
+    case 4: return PickNp512<K, 4>(np);
+    case 5: return PickNp512<K, 5>(np);
+    case 6: return PickNp512<K, 6>(np);
+    case 7: return PickNp512<K, 7>(np);
+    case 8: return PickNp512<K, 8>(np);
+    case 9: return PickNp512<K, 9>(np);
+    case 10: return PickNp512<K, 10>(np);
+    case 11: return PickNp512<K, 11>(np);
+    default: return PickNp512<K, 12>(np);
   }
 }
 
@@ -211,18 +258,25 @@ struct Avx512Tiles {
   }
   template <typename W>
   static TileFn<W> Get(int mr, int np) {
-    return Pick512<W>(mr, np);
+    return Pick512<Fma512<W>>(mr, np);
+  }
+};
+// The bf16 form's: Avx512Tiles' shapes, on TileDot (x as bf16).
+struct Avx512DotTiles : Avx512Tiles {
+  template <typename W>
+  static TileFn<uint16_t, uint16_t> Get(int mr, int np) {
+    return Pick512<Dot512>(mr, np);
   }
 };
 
-template <class Tiles, typename W>
-void Run(const W* packed, const float* bias, int n, int K, const float* x, int ldx, int m, int p0, int p1, float* y,
+template <class Tiles, typename W, typename X = float>
+void Run(const W* packed, const float* bias, int n, int K, const X* x, int ldx, int m, int p0, int p1, float* y,
          int ldy) {
   const size_t pstride = static_cast<size_t>(K) * P;
   auto tile = [&](int r, int mr, int p, int np) {
     const int col0 = p * P;
     const int ncols = std::min(np * P, n - col0);
-    const float* xr = x + static_cast<size_t>(r) * ldx;
+    const X* xr = x + static_cast<size_t>(r) * ldx;
     const float* b = bias ? bias + col0 : nullptr;
     float* yr = y + static_cast<size_t>(r) * ldy + col0;
     if (ncols == np * P) {
@@ -259,19 +313,22 @@ KernelIsa PackedWeights::Level() {
 }
 
 PackedWeights::PackedWeights(const float* w, const float* bias, int n, int k, bool bf16,
-                             std::shared_ptr<WeightsArena> arena)
-    : n_(n), k_(k), bf16_(bf16) {
-  const size_t total = static_cast<size_t>(panels()) * k * P;
+                             std::shared_ptr<WeightsArena> arena, bool dot)
+    : n_(n), k_(k), bf16_(bf16), dot_(dot && bf16 && CpuKernelIsa() >= KernelIsa::kAvx512Bf16) {
+  const int kp = dot_ ? (k + 1) / 2 * 2 : k;  // the bf16 form pads K to whole pairs
+  const size_t total = static_cast<size_t>(panels()) * kp * P;
   w_ = WeightsBuffer(std::move(arena), total * (bf16 ? 2 : 4));
   std::memset(w_.data(), 0, w_.size());  // columns past n in the last panel stay 0
   auto* const w16 = reinterpret_cast<uint16_t*>(w_.data());
   auto* const w32 = reinterpret_cast<float*>(w_.data());
   for (int c = 0; c < n; ++c) {
     const int p = c / P, i = c % P;
-    // bf16 rows hold columns (0, 8), (1, 9), ... in adjacent slots (see LoadRow).
+    // bf16 rows hold columns (0, 8), (1, 9), ... in adjacent slots (see LoadRow); the bf16 form holds
+    // column i's k-pair in lane i.
     const int slot = bf16 ? (i < 8 ? 2 * i : 2 * (i - 8) + 1) : i;
     for (int kk = 0; kk < k; ++kk) {
-      const size_t at = (static_cast<size_t>(p) * k + kk) * P + slot;
+      const size_t at = dot_ ? static_cast<size_t>(p) * kp * P + static_cast<size_t>(kk / 2) * 2 * P + 2 * i + kk % 2
+                             : (static_cast<size_t>(p) * k + kk) * P + slot;
       const float v = w[static_cast<size_t>(c) * k + kk];
       if (bf16) {
         w16[at] = F32ToBf16(v);
@@ -289,6 +346,21 @@ PackedWeights::PackedWeights(const float* w, const float* bias, int n, int k, bo
 void PackedWeights::Compute(const float* x, int ldx, int m, int panel0, int panel1, float* y, int ldy) const {
   if (m <= 0 || panel0 >= panel1) return;
   const float* b = bias_.empty() ? nullptr : bias_.data();
+  if (dot_) {
+    // The rows rounded to bf16, K padded to whole pairs with 0: this thread's buffer.
+    const int k2 = (k_ + 1) / 2;
+    thread_local std::vector<uint16_t> rows;
+    if (rows.size() < static_cast<size_t>(m) * 2 * k2) rows.resize(static_cast<size_t>(m) * 2 * k2);
+    uint16_t* const xb = rows.data();
+    for (int r = 0; r < m; ++r) {
+      uint16_t* row = xb + static_cast<size_t>(r) * 2 * k2;
+      F32ToBf16Bulk(x + static_cast<size_t>(r) * ldx, row, k_);
+      if (k_ % 2) row[k_] = 0;
+    }
+    Run<Avx512DotTiles>(reinterpret_cast<const uint16_t*>(w_.data()), b, n_, 2 * k2, static_cast<const uint16_t*>(xb),
+                        2 * k2, m, panel0, panel1, y, ldy);
+    return;
+  }
   const bool wide = Level() == KernelIsa::kAvx512;
   if (bf16_) {
     const auto* w = reinterpret_cast<const uint16_t*>(w_.data());

@@ -31,7 +31,7 @@ class SameBitsTest(unittest.TestCase):
         s = Server("--threads", "2", *args, model=model)
         try:
             info = s.stub.GetModelInfo(pb.GetModelInfoRequest())
-            levels = ["avx2", "avx512", "avx512_vnni", "amx"]
+            levels = ["avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"]
             self.assertIn(info.kernel_isa, levels)
             cap = os.environ.get("QKV_MAX_ISA")
             if cap:  # at most the cap (the CPU may have less)

@@ -210,9 +210,11 @@ class ServerTest(unittest.TestCase):
         self.assertTrue(info.gemm.startswith(("onednn brg:", "packed", "amx")), info.gemm)
         if info.kernel_isa == "amx":  # bf16 weights on an AMX CPU: the engine's own AMX GEMM for every M
             self.assertEqual(info.gemm, "amx bf16 x bf16")
-        if info.cpu_isa == "avx2":  # oneDNN 2.6 has no bf16 matmul there: the engine's own GEMM runs
+        if info.kernel_isa == "avx512_bf16":  # bf16 weights on the packed GEMM's vdpbf16ps form, every M
+            self.assertEqual((info.compute_dtype, info.gemm), ("bf16", "packed avx512_bf16 bf16 x bf16"))
+        elif info.cpu_isa == "avx2":  # oneDNN 2.6 has no bf16 matmul there: the engine's own GEMM runs
             self.assertEqual((info.compute_dtype, info.gemm), ("f32", f"packed {info.kernel_isa} f32 x bf16"))
-        self.assertIn(info.kernel_isa, ("avx2", "avx512", "avx512_vnni", "amx"))
+        self.assertIn(info.kernel_isa, ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"))
         h = self.s.health
         self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service="")).status, health_pb2.HealthCheckResponse.SERVING)
         self.assertEqual(h.Check(health_pb2.HealthCheckRequest(service=INFER)).status, health_pb2.HealthCheckResponse.SERVING)
