@@ -231,7 +231,10 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     m->team_stride_ = (team_floats + 15) / 16 * 16;
     m->team_rows_.assign(m->team_stride_ * opt.n_threads, 0);
     if (any_quant) m->rt_->ThreadQuantizedRowsFor(kOwnQuantRows, widest_k);  // each thread's own rows
-    if (m->rt_->any_bf16_input()) m->rt_->ReserveOwnBf16(static_cast<size_t>(PaddedRows(kOwnQuantRows)) * widest_k);
+    // Each thread's bf16 rows: oneDNN's bf16 GEMM and the packed GEMM's bf16 form (K padded to even) round
+    // the step's rows for themselves.
+    if (m->rt_->any_bf16_compute())
+      m->rt_->ReserveOwnBf16(static_cast<size_t>(PaddedRows(kOwnQuantRows)) * (widest_k + 1));
   }
   spdlog::info("one-token steps: {}", m->team_step_ ? "one parallel region per step"
                                                     : "a parallel region per layer phase (not every layer kind or "

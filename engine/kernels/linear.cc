@@ -437,7 +437,7 @@ void Linear::Forward(const void* x, int m, float* y) const {
   if (amx_) {
     // Rows are packed (rounded to bf16, in tile order) once for all slices; each output depends on its row
     // and weight column only. Worksharing loops: every tile and slice is computed whatever the team size.
-    uint16_t* a = rt_->AmxRowsFor(AmxWeights::PackedRowsSize(m, k_));
+    uint16_t* a = rt_->Bf16RowsFor(AmxWeights::PackedRowsSize(m, k_));
     const int mtiles = (m + AmxWeights::kTileRows - 1) / AmxWeights::kTileRows;
     const auto* xf = static_cast<const float*>(x);
 #pragma omp parallel num_threads(nthr)
@@ -448,6 +448,20 @@ void Linear::Forward(const void* x, int m, float* y) const {
       }
 #pragma omp for schedule(static)
       for (int t = 0; t < nthr; ++t) amx_->Compute(a, m, panel_bounds_[t], panel_bounds_[t + 1], y, n_);
+    }
+    return;
+  }
+  if (packed_ && packed_->dot()) {
+    // Rows rounded to bf16 once for all slices (each rounded row depends on its row only), then the slices;
+    // worksharing loops, so every row and slice is done whatever the team size.
+    uint16_t* a = rt_->Bf16RowsFor(packed_->RoundedRowsSize(m));
+    const auto* xf = static_cast<const float*>(x);
+#pragma omp parallel num_threads(nthr)
+    {
+#pragma omp for schedule(static)
+      for (int t = 0; t < nthr; ++t) packed_->RoundRows(xf, k_, m * t / nthr, m * (t + 1) / nthr, a);
+#pragma omp for schedule(static)
+      for (int t = 0; t < nthr; ++t) packed_->ComputeRounded(a, m, panel_bounds_[t], panel_bounds_[t + 1], y, n_);
     }
     return;
   }
@@ -488,6 +502,11 @@ const void* Linear::PrepareShare(const float* x, int m, int t) const {
     q.Quantize(x, 0, m);
     return &q;
   }
+  if (packed_ && packed_->dot()) {
+    uint16_t* b = rt_->OwnBf16Rows(t, packed_->RoundedRowsSize(PaddedRows(m)));
+    packed_->RoundRows(x, k_, 0, m, b);
+    return b;
+  }
   if (!packed_ && dt_ == DType::kBF16) {
     uint16_t* b = rt_->OwnBf16Rows(t, static_cast<size_t>(PaddedRows(m)) * k_);
     F32ToBf16Bulk(x, b, static_cast<int64_t>(m) * k_);
@@ -506,7 +525,11 @@ std::pair<int, int> Linear::ComputeShare(int i, int t, const void* in, int m, fl
     return {c0, c1};
   }
   if (packed_) {
-    packed_->Compute(x, k_, m, panel_bounds_[i], panel_bounds_[i + 1], y, n_);
+    if (packed_->dot()) {
+      packed_->ComputeRounded(static_cast<const uint16_t*>(in), m, panel_bounds_[i], panel_bounds_[i + 1], y, n_);
+    } else {
+      packed_->Compute(x, k_, m, panel_bounds_[i], panel_bounds_[i + 1], y, n_);
+    }
     return {std::min(n_, panel_bounds_[i] * PackedWeights::kPanel),
             std::min(n_, panel_bounds_[i + 1] * PackedWeights::kPanel)};
   }

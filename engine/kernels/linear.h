@@ -84,7 +84,8 @@ class GemmRuntime {
   // A dense [kTileRows x slice] output buffer per thread (see Linear::Forward).
   float* out(int thread) { return out_[thread].data(); }
   // Staging for the activations (engine thread only), sized here for rows x cols: quantized for the layers
-  // on quantized weights, packed bf16 tiles (`elems` values) for the AMX ones. Their bytes are published
+  // on quantized weights, bf16 (`elems` values: tiles for the AMX GEMM, rounded rows for the packed GEMM's
+  // bf16 form) for the others that round them. Their bytes are published
   // through an atomic, since scratch_bytes() is read by the metrics threads while these grow.
   QuantizedRows& QuantizedRowsFor(int rows, int cols) {
     qrows_.Resize(rows, cols);
@@ -111,12 +112,12 @@ class GemmRuntime {
     PublishStagingBytes();
     return thread_qrows_.data();
   }
-  uint16_t* AmxRowsFor(size_t elems) {
-    if (amx_rows_.size() < elems) {
-      amx_rows_.resize(elems);
+  uint16_t* Bf16RowsFor(size_t elems) {
+    if (bf16_rows_.size() < elems) {
+      bf16_rows_.resize(elems);
       PublishStagingBytes();
     }
-    return amx_rows_.data();
+    return bf16_rows_.data();
   }
   size_t scratch_bytes() const {
     size_t n = staging_bytes_.load(std::memory_order_relaxed);
@@ -163,11 +164,11 @@ class GemmRuntime {
   QuantizedRows qrows_;
   std::vector<QuantizedRows> thread_qrows_;
   std::vector<std::vector<uint16_t>> own_bf16_;
-  std::vector<uint16_t> amx_rows_;
+  std::vector<uint16_t> bf16_rows_;
   std::atomic<size_t> staging_bytes_{0};
 
   void PublishStagingBytes() {
-    size_t n = qrows_.bytes() + amx_rows_.capacity() * sizeof(uint16_t);
+    size_t n = qrows_.bytes() + bf16_rows_.capacity() * sizeof(uint16_t);
     for (const auto& q : thread_qrows_) n += q.bytes();
     for (const auto& b : own_bf16_) n += b.capacity() * sizeof(uint16_t);
     staging_bytes_.store(n, std::memory_order_relaxed);

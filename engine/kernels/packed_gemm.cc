@@ -347,18 +347,9 @@ void PackedWeights::Compute(const float* x, int ldx, int m, int panel0, int pane
   if (m <= 0 || panel0 >= panel1) return;
   const float* b = bias_.empty() ? nullptr : bias_.data();
   if (dot_) {
-    // The rows rounded to bf16, K padded to whole pairs with 0: this thread's buffer.
-    const int k2 = (k_ + 1) / 2;
-    thread_local std::vector<uint16_t> rows;
-    if (rows.size() < static_cast<size_t>(m) * 2 * k2) rows.resize(static_cast<size_t>(m) * 2 * k2);
-    uint16_t* const xb = rows.data();
-    for (int r = 0; r < m; ++r) {
-      uint16_t* row = xb + static_cast<size_t>(r) * 2 * k2;
-      F32ToBf16Bulk(x + static_cast<size_t>(r) * ldx, row, k_);
-      if (k_ % 2) row[k_] = 0;
-    }
-    Run<Avx512DotTiles>(reinterpret_cast<const uint16_t*>(w_.data()), b, n_, 2 * k2, static_cast<const uint16_t*>(xb),
-                        2 * k2, m, panel0, panel1, y, ldy);
+    std::vector<uint16_t> rows(RoundedRowsSize(m));
+    RoundRows(x, ldx, 0, m, rows.data());
+    ComputeRounded(rows.data(), m, panel0, panel1, y, ldy);
     return;
   }
   const bool wide = Level() == KernelIsa::kAvx512;
@@ -369,6 +360,22 @@ void PackedWeights::Compute(const float* x, int ldx, int m, int panel0, int pane
     const auto* w = reinterpret_cast<const float*>(w_.data());
     (wide ? Run<Avx512Tiles, float> : Run<Avx2Tiles, float>)(w, b, n_, k_, x, ldx, m, panel0, panel1, y, ldy);
   }
+}
+
+void PackedWeights::RoundRows(const float* x, int ldx, int r0, int r1, uint16_t* out) const {
+  const size_t kp = RoundedRowsSize(1);
+  for (int r = r0; r < r1; ++r) {
+    uint16_t* row = out + static_cast<size_t>(r) * kp;
+    F32ToBf16Bulk(x + static_cast<size_t>(r) * ldx, row, k_);
+    if (kp > static_cast<size_t>(k_)) row[k_] = 0;
+  }
+}
+
+void PackedWeights::ComputeRounded(const uint16_t* xb, int m, int panel0, int panel1, float* y, int ldy) const {
+  if (m <= 0 || panel0 >= panel1) return;
+  const int kp = static_cast<int>(RoundedRowsSize(1));
+  Run<Avx512DotTiles>(reinterpret_cast<const uint16_t*>(w_.data()), bias_.empty() ? nullptr : bias_.data(), n_, kp, xb,
+                      kp, m, panel0, panel1, y, ldy);
 }
 
 }  // namespace qkv

@@ -50,8 +50,14 @@ class PackedWeights {
   KernelIsa level() const { return dot_ ? KernelIsa::kAvx512Bf16 : Level(); }
   bool dot() const { return dot_; }
 
-  // Columns [panel0 * 16, min(n, panel1 * 16)) of m rows. x: row stride ldx (f32); y: row stride ldy.
+  // Columns [panel0 * 16, min(n, panel1 * 16)) of m rows. x: row stride ldx (f32); y: row stride ldy. The
+  // bf16 form rounds the rows into a buffer of its own first (callers that stage them use the two below).
   void Compute(const float* x, int ldx, int m, int panel0, int panel1, float* y, int ldy) const;
+  // The bf16 form's input: rows [r0, r1) of x (row stride ldx) rounded to bf16 into out, RoundedRowsSize(1)
+  // values a row (K padded to even with 0); and Compute on such rows (m of them, from xb).
+  size_t RoundedRowsSize(int m) const { return static_cast<size_t>(m) * ((k_ + 1) / 2 * 2); }
+  void RoundRows(const float* x, int ldx, int r0, int r1, uint16_t* out) const;
+  void ComputeRounded(const uint16_t* xb, int m, int panel0, int panel1, float* y, int ldy) const;
 
  private:
   int n_, k_;
