@@ -2,8 +2,11 @@
 // validation (InferenceService::ToParams: limits, ids, UTF-8, tokenization, chat template, sampling fields)
 // and the engine's (Engine::Submit against engine state). An accepted request is cancelled at once. Every
 // 64 inputs the engine's block and state accounting must check clean.
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -41,8 +44,11 @@ World& TheWorld() {
     c.vocab = 400;
     c.context_length = 256;
     c.qk_norm = true;
+    // The model file is this process's own (fuzz jobs may run side by side) and is removed once loaded
+    // (a mapping of it stays valid after the unlink).
     const char* tmp = std::getenv("TMPDIR");
-    const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/qkv_fuzz_request.gguf";
+    const std::string path =
+        std::string(tmp && *tmp ? tmp : "/tmp") + "/qkv_fuzz_request." + std::to_string(getpid()) + ".gguf";
     Check(qkv::WriteRandomModel(c, {qkv::GgmlType::kF32, 1, "", {}}, path).ok(), "cannot write the model");
     qkv::ModelOptions mo;
     mo.weights_dtype = qkv::DType::kF32;
@@ -51,6 +57,7 @@ World& TheWorld() {
     mo.max_batch_tokens = 256;
     mo.kv_blocks = 64;
     auto m = qkv::Model::Load(path, mo);
+    std::remove(path.c_str());
     Check(m.ok(), "cannot load the model");
     World out;
     out.model = std::move(*m);
