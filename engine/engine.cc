@@ -723,9 +723,9 @@ StatusOr<SessionInfo> Engine::DoCreateSession(const std::string& ns, const std::
   if (!(ttl_s >= 0 && ttl_s <= kMaxTtl)) {
     return InvalidArgument("ttl_seconds must be in 0..315360000 (ten years; 0: never expires)");
   }
-  QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_tokens"));
+  QKV_RETURN_IF_ERROR(ValidateTokens(initial_tokens, "initial_token_ids"));
   if (static_cast<int>(initial_tokens.size()) >= model_.max_context()) {
-    return InvalidArgument("initial_tokens (" + std::to_string(initial_tokens.size()) +
+    return InvalidArgument("initial_token_ids (" + std::to_string(initial_tokens.size()) +
                            ") must be shorter than the context of " + std::to_string(model_.max_context()));
   }
   if (sessions_.count({ns, id})) return Status(StatusCode::kAlreadyExists, "session '" + id + "' already exists");
@@ -839,7 +839,7 @@ StatusOr<SessionInfo> Engine::DoTruncateSession(const std::string& ns, const std
   if (!s) return NotFound("session '" + id + "' not found");
   if (s->busy) return FailedPrecondition("session '" + id + "' is busy with another request");
   if (n_tokens < 0 || n_tokens > static_cast<int>(s->ctx.tokens.size())) {
-    return InvalidArgument("n_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) +
+    return InvalidArgument("num_tokens must be in 0.." + std::to_string(s->ctx.tokens.size()) +
                            " (the session's length)");
   }
   scheduler_.Truncate(s->ctx, n_tokens);

@@ -84,6 +84,27 @@ int SendError(mg_connection* c, const Status& s, const std::string& param = "", 
   return h.code;
 }
 
+// The body as a JSON object, or the error to send: where the JSON breaks, or that it is not an object.
+Status ParseBody(const std::string& body, json* out) {
+  try {
+    *out = json::parse(body);
+  } catch (const json::parse_error& e) {
+    return InvalidArgument("the body is not valid JSON (at byte " + std::to_string(e.byte) + ")");
+  }
+  if (!out->is_object()) return InvalidArgument("the body must be a JSON object");
+  return Status::Ok();
+}
+
+// OpenAI's `param` for an error of the checks shared with gRPC (InferenceService::ToParams, Engine::Submit),
+// whose messages start with the field they refuse ("top_p must be in (0, 1]", "messages[0].role must be
+// ...", "stop strings must not be empty"): that first word when it names a field of the body, else none.
+std::string ParamOf(const Status& s, const json& body) {
+  const std::string& m = s.message();
+  const std::string word = m.substr(0, m.find(' '));
+  const std::string base = word.substr(0, word.find_first_of("[."));
+  return !base.empty() && body.contains(base) ? word : "";
+}
+
 // A request error that names its field (OpenAI's `param`).
 struct FieldError {
   Status status;
@@ -317,8 +338,8 @@ int HttpHandler::Models(mg_connection* c, const std::string& id) {
 }
 
 int HttpHandler::Tokenize(mg_connection* c, const std::string& body, bool detokenize) {
-  const json j = json::parse(body, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return SendError(c, InvalidArgument("the body must be a JSON object"));
+  json j;
+  if (Status st = ParseBody(body, &j); !st.ok()) return SendError(c, st);
   Fields f(j);
   const Tokenizer& tok = svc.engine().model().tokenizer();
   if (detokenize) {
@@ -366,8 +387,8 @@ int HttpHandler::Tokenize(mg_connection* c, const std::string& body, bool detoke
 }
 
 int HttpHandler::Generate(mg_connection* c, const std::string& ns, const std::string& body, bool chat) {
-  const json j = json::parse(body, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return SendError(c, InvalidArgument("the body must be a JSON object"));
+  json j;
+  if (Status st = ParseBody(body, &j); !st.ok()) return SendError(c, st);
   Fields f(j);
   pb::GenerateRequest req;
   auto fail = [&](const FieldError& e) { return SendError(c, e.status, e.param); };
@@ -388,6 +409,7 @@ int HttpHandler::Generate(mg_connection* c, const std::string& ns, const std::st
     const json* one = p;
     if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) one = &(*p)[0];
     if (one->is_string()) {
+      if (one->get_ref<const std::string&>().empty()) return fail(Bad("prompt", "must not be empty"));
       req.set_text(one->get<std::string>());
     } else if (one->is_array() && !one->empty() && (*one)[0].is_number_integer()) {
       for (const json& t : *one) {
@@ -526,7 +548,7 @@ int HttpHandler::Generate(mg_connection* c, const std::string& ns, const std::st
 
   // The same conversion and checks as the gRPC front; then this front's own parts.
   auto params = svc.ToParams(req, ns);
-  if (!params.ok()) return SendError(c, params.status());
+  if (!params.ok()) return SendError(c, params.status(), ParamOf(params.status(), j));
   params->front = "http";
   if (const char* sid = mg_get_header(c, "x-session-id")) {
     if (Status st = CheckId("x-session-id", sid); !st.ok()) return SendError(c, st, "x-session-id");
@@ -535,7 +557,7 @@ int HttpHandler::Generate(mg_connection* c, const std::string& ns, const std::st
     params->create_ttl_s = opt.session_ttl_s;
   }
   auto submitted = svc.engine().Submit(std::move(*params));
-  if (!submitted.ok()) return SendError(c, submitted.status());
+  if (!submitted.ok()) return SendError(c, submitted.status(), ParamOf(submitted.status(), j));
   std::shared_ptr<RequestStream> rs = *submitted;
 
   const Tokenizer& tok = svc.engine().model().tokenizer();

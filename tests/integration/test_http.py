@@ -175,22 +175,29 @@ class HttpApiTest(unittest.TestCase):
             ("/v1/completions", dict(base, logprobs=21), "logprobs"),
             ("/v1/completions", dict(base, prompt=["a", "b"]), "prompt"),
             ("/v1/completions", {"max_tokens": 2}, "prompt"),
+            ("/v1/completions", dict(base, prompt=""), "prompt"),
             ("/v1/chat/completions", {"messages": []}, "messages"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
              "messages[0].content[0].type"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
             ("/v1/completions", dict(base, stream_options={"include_usage": True}), "stream_options"),
+            # The checks shared with gRPC (the service's, the sampler's) name their field too.
+            ("/v1/completions", dict(base, temperature=-1), "temperature"),
+            ("/v1/completions", dict(base, top_p=0), "top_p"),
+            ("/v1/completions", dict(base, stop=["", "x"]), "stop"),
+            ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ]
         for path, body, field in cases:
             code, j = curl(self.s, "POST", path, body)
             self.assertEqual(code, 400, (field, j))
             self.assertEqual(j["error"]["type"], "invalid_request_error", j)
-            self.assertIn(field.split("[")[0], j["error"]["message"], j)
-        code, j = curl(self.s, "POST", "/v1/completions", raw="{not json")
+            self.assertEqual(j["error"]["param"], field, j)
+            self.assertIn(field, j["error"]["message"], j)
+        code, j = curl(self.s, "POST", "/v1/completions", raw='{"prompt": "x", not json')
         self.assertEqual(code, 400)
-        code, j = curl(self.s, "POST", "/v1/completions", dict(base, temperature=-1))
-        self.assertEqual(code, 400)  # the engine's own range check, through the same path as gRPC
-        self.assertIn("temperature", j["error"]["message"])
+        self.assertRegex(j["error"]["message"], r"^the body is not valid JSON \(at byte \d+\)$")
+        code, j = curl(self.s, "POST", "/v1/completions", raw="[1, 2]")
+        self.assertEqual((code, j["error"]["message"]), (400, "the body must be a JSON object"))
 
     def test_metrics_by_front(self):
         # Counters of earlier tests' requests are published with the snapshot that shows nothing running.

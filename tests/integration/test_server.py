@@ -148,6 +148,8 @@ class ServerTest(unittest.TestCase):
             (st.CreateSession, pb.CreateSessionRequest(session_id="bad/id"), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
             (st.CreateSession, pb.CreateSessionRequest(session_id="x" * 129), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
             (st.TruncateSession, pb.TruncateSessionRequest(session_id="nope", num_tokens=1), grpc.StatusCode.NOT_FOUND, "nope"),
+            (st.CreateSession, pb.CreateSessionRequest(session_id="badinit", initial_token_ids=[3, 99999]),
+             grpc.StatusCode.INVALID_ARGUMENT, "initial_token_ids[1]"),
             (st.Detokenize, pb.DetokenizeRequest(token_ids=[5, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids[1]"),
             (st.Complete, pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="robot", content="hi")])),
              grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role"),
@@ -156,6 +158,11 @@ class ServerTest(unittest.TestCase):
             code, details = C(fn, req)
             self.assertEqual(code, want, details)
             self.assertIn(field, details)
+        # Errors name the request's own fields (num_tokens, as the proto spells it).
+        st.CreateSession(pb.CreateSessionRequest(session_id="trunc-names", initial_token_ids=[1, 2, 3]))
+        code, details = C(st.TruncateSession, pb.TruncateSessionRequest(session_id="trunc-names", num_tokens=4))
+        self.assertEqual((code, details), (grpc.StatusCode.INVALID_ARGUMENT, "num_tokens must be in 0..3 (the session's length)"))
+        st.CloseSession(pb.CloseSessionRequest(session_id="trunc-names"))
         # Invalid UTF-8 cannot be built with the Python API: send raw bytes (field 1 = text). proto3 string
         # fields are checked by protobuf's parser before our handler runs, so gRPC refuses the message
         # itself (it reports UNIMPLEMENTED for an unparsable request); the server keeps serving.
