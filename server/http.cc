@@ -98,8 +98,12 @@ Status ParseBody(const std::string& body, json* out) {
 // OpenAI's `param` for an error of the checks shared with gRPC (InferenceService::ToParams, Engine::Submit),
 // whose messages start with the field they refuse ("top_p must be in (0, 1]", "messages[0].role must be
 // ...", "stop strings must not be empty"): that first word when it names a field of the body, else none.
+// A context overflow (the prompt and max_tokens do not fit) is OpenAI's context_length_exceeded on the
+// prompt or the messages.
+bool IsContextOverflow(const Status& s) { return s.message().rfind("context overflow:", 0) == 0; }
 std::string ParamOf(const Status& s, const json& body) {
   const std::string& m = s.message();
+  if (IsContextOverflow(s)) return body.contains("messages") ? "messages" : "prompt";
   const std::string word = m.substr(0, m.find(' '));
   const std::string base = word.substr(0, word.find_first_of("[."));
   return !base.empty() && body.contains(base) ? word : "";
@@ -548,7 +552,10 @@ int HttpHandler::Generate(mg_connection* c, const std::string& ns, const std::st
 
   // The same conversion and checks as the gRPC front; then this front's own parts.
   auto params = svc.ToParams(req, ns);
-  if (!params.ok()) return SendError(c, params.status(), ParamOf(params.status(), j));
+  if (!params.ok()) {
+    const Status& st = params.status();
+    return SendError(c, st, ParamOf(st, j), IsContextOverflow(st) ? "context_length_exceeded" : "");
+  }
   params->front = "http";
   if (const char* sid = mg_get_header(c, "x-session-id")) {
     if (Status st = CheckId("x-session-id", sid); !st.ok()) return SendError(c, st, "x-session-id");
@@ -557,7 +564,10 @@ int HttpHandler::Generate(mg_connection* c, const std::string& ns, const std::st
     params->create_ttl_s = opt.session_ttl_s;
   }
   auto submitted = svc.engine().Submit(std::move(*params));
-  if (!submitted.ok()) return SendError(c, submitted.status(), ParamOf(submitted.status(), j));
+  if (!submitted.ok()) {
+    const Status& st = submitted.status();
+    return SendError(c, st, ParamOf(st, j), IsContextOverflow(st) ? "context_length_exceeded" : "");
+  }
   std::shared_ptr<RequestStream> rs = *submitted;
 
   const Tokenizer& tok = svc.engine().model().tokenizer();

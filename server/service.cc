@@ -399,6 +399,13 @@ StatusOr<GenerateParams> InferenceService::ToParams(const pb::GenerateRequest& r
     case pb::GenerateRequest::kTokenIds:
       QKV_RETURN_IF_ERROR(CheckPromptTokens(lim, req.token_ids().ids_size(), engine_.model().max_context()));
       if (req.token_ids().ids().empty()) return InvalidArgument("token_ids is empty");
+      for (int i = 0, vocab = engine_.model().config().vocab; i < req.token_ids().ids_size(); ++i) {
+        const int id = req.token_ids().ids(i);
+        if (id < 0 || id >= vocab) {
+          return InvalidArgument("token_ids.ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                                 " is outside the vocabulary (0.." + std::to_string(vocab - 1) + ")");
+        }
+      }
       p.prompt.assign(req.token_ids().ids().begin(), req.token_ids().ids().end());
       break;
     case pb::GenerateRequest::kMessages: {

@@ -93,4 +93,10 @@ sed 's/"vocab_size": 300,/"vocab_size": 300, "n_routed_experts": 8,/' "$tmp/mla.
 expect_error "missing 'num_experts_per_tok'" "$bin/qkv-model" random --config "$tmp/mla_moe.json" --out "$tmp/x.gguf" --arch deepseek2
 sed 's/"type": "yarn"/"type": "longrope"/' "$tmp/mla.json" > "$tmp/mla_lr.json"
 expect_error "rope scaling 'longrope' is not supported" "$bin/qkv-model" random --config "$tmp/mla_lr.json" --out "$tmp/x.gguf" --arch deepseek2
-echo "tools_cli: 25 passed, 0 failed"
+# qkv-bench with a baseline: the model over the baseline per repetition, and their median.
+out=$("$bin/qkv-bench" --model "$tmp/m.gguf" --baseline "$tmp/l.gguf" --prompt 8 --gen 4 --reps 2 --threads 1 2>&1)
+grep -q "^rep 2: baseline decode [0-9.]* tok/s; the model decodes [0-9.]*x the baseline$" <<<"$out" || fail "qkv-bench --baseline per repetition: $out"
+grep -q "^baseline $tmp/l.gguf: decode median [0-9.]* tok/s; the model over the baseline per repetition: median [0-9.]*x ([0-9.]*x-[0-9.]*x)$" <<<"$out" || fail "qkv-bench --baseline summary: $out"
+expect_error "baseline: .*cannot open" "$bin/qkv-bench" --model "$tmp/m.gguf" --baseline "$tmp/none.gguf" --prompt 8 --gen 4
+expect_error "exceeds the context of $tmp/m.gguf" "$bin/qkv-bench" --model "$tmp/m.gguf" --prompt 100 --gen 100
+echo "tools_cli: 26 passed, 0 failed"

@@ -1,6 +1,9 @@
 // qkv-bench: prefill and single-stream decode speed of one model, and decode as a percentage of the
 // memory-bandwidth roofline (weight bytes read per token ÷ measured read bandwidth).
-//   qkv-bench --model MODEL.gguf [--threads T] [--prompt 512] [--gen 128] [--profile]
+//   qkv-bench --model MODEL.gguf [--threads T] [--prompt 512] [--gen 128] [--profile] [--baseline OTHER.gguf]
+// With --baseline, each repetition also runs OTHER right after MODEL and prints the decode speed of MODEL
+// over OTHER's: a ratio taken seconds apart, which the drift of a shared machine's bandwidth (±20-30% over
+// minutes) moves far less than a ratio of two separate runs.
 #include <omp.h>
 #include <spdlog/spdlog.h>
 
@@ -10,6 +13,9 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/block_manager.h"
@@ -57,11 +63,70 @@ void PrintProfile(const char* what, const qkv::Model::Profile& p) {
       pct(p.norms), pct(p.rope_store), pct(p.embed));
 }
 
+// A model with its own cache, ready to run repetitions of one prompt + decode.
+struct Bench {
+  std::unique_ptr<qkv::Model> model;
+  std::unique_ptr<qkv::CacheStores> cache;
+  std::unique_ptr<qkv::KvBlockPool> pool;
+  double load_s = 0;
+};
+
+qkv::StatusOr<Bench> LoadBench(const std::string& path, const qkv::ModelOptions& mo, int prompt, int gen) {
+  Bench b;
+  const auto tl = Clock::now();
+  QKV_ASSIGN_OR_RETURN(b.model, qkv::Model::Load(path, mo));
+  QKV_ASSIGN_OR_RETURN(b.cache, qkv::CacheStores::Create(b.model->cache_layout()));
+  b.pool = std::make_unique<qkv::KvBlockPool>(b.model->cache_layout().tokens.n_blocks, b.model->options().block_size);
+  if (prompt + gen > b.model->max_context()) {
+    return qkv::Status(qkv::StatusCode::kOutOfRange, "--prompt " + std::to_string(prompt) + " + --gen " +
+                                                         std::to_string(gen) + " exceeds the context of " + path +
+                                                         " (" + std::to_string(b.model->max_context()) + " tokens)");
+  }
+  b.load_s = Since(tl);
+  return b;
+}
+
+// One repetition: the prompt's prefill, then `gen` greedy tokens one at a time; {prefill s, decode s}.
+qkv::StatusOr<std::pair<double, double>> RunRep(Bench& b, const std::vector<int>& tokens, int gen, bool profile,
+                                                qkv::Model::Profile* prefill_prof, qkv::Model::Profile* decode_prof) {
+  qkv::Model& m = *b.model;
+  const int V = m.config().vocab;
+  qkv::SeqKv seq;
+  QKV_RETURN_IF_ERROR(qkv::ReserveBlocks(seq, static_cast<int>(tokens.size()) + gen, m.options().block_size, *b.pool));
+  QKV_RETURN_IF_ERROR(qkv::ReserveStateSlot(seq, b.cache->states()));
+  m.set_profiling(profile);
+  auto t0 = Clock::now();
+  qkv::BatchChunk ch{&seq, tokens, false};
+  QKV_RETURN_IF_ERROR(m.Forward(std::span<const qkv::BatchChunk>(&ch, 1), *b.cache));
+  const double pre = Since(t0);
+  if (prefill_prof) *prefill_prof = m.profile();
+  m.set_profiling(profile);
+  int next = qkv::ArgMax(m.logits(), V);
+  t0 = Clock::now();
+  for (int i = 0; i < gen; ++i) {
+    qkv::BatchChunk d{&seq, std::span<const int>(&next, 1), false};
+    if (auto s = m.Forward(std::span<const qkv::BatchChunk>(&d, 1), *b.cache); !s.ok()) {
+      return qkv::Status(s.code(), "decode step " + std::to_string(i) + ": " + s.message());
+    }
+    next = qkv::ArgMax(m.logits(), V);
+  }
+  const double dec = Since(t0);
+  if (decode_prof) *decode_prof = m.profile();
+  qkv::ReleaseBlocks(seq, *b.pool);
+  qkv::ReleaseStateSlot(seq, b.cache->states());
+  return std::pair{pre, dec};
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"qkv-bench: prefill and decode throughput of a model"};
-  std::string model, weights_dtype = "auto", kv_dtype = "bf16";
+  std::string model, baseline, weights_dtype = "auto", kv_dtype = "bf16";
   int threads = 2, prompt = 512, gen = 128, reps = 3;
   bool profile = false;
   app.add_option("--model", model, "GGUF model file")->required();
@@ -77,6 +142,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "bf16, f32 or int8")->capture_default_str();
   app.add_flag("--profile", profile, "print where the time goes");
+  app.add_option("--baseline", baseline,
+                 "another GGUF file, run right after the model in every repetition (decode ratio per repetition)");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   omp_set_num_threads(threads);
@@ -95,25 +162,23 @@ int main(int argc, char** argv) {
   mo.max_batch_tokens = prompt;
   mo.max_context = prompt + gen + 1;
   mo.state_slots = 1;  // one sequence
-  const auto tl = Clock::now();
-  auto loaded = qkv::Model::Load(model, mo);
+  auto loaded = LoadBench(model, mo, prompt, gen);
   if (!loaded.ok()) {
     std::fprintf(stderr, "qkv-bench: %s\n", loaded.status().ToString().c_str());
-    return 1;
+    return loaded.status().code() == qkv::StatusCode::kOutOfRange ? 2 : 1;
   }
-  qkv::Model& m = **loaded;
-  auto cache = qkv::CacheStores::Create(m.cache_layout());
-  if (!cache.ok()) {
-    std::fprintf(stderr, "qkv-bench: %s\n", cache.status().ToString().c_str());
-    return 1;
+  Bench& main_bench = *loaded;
+  qkv::Model& m = *main_bench.model;
+  const double load_s = main_bench.load_s;
+  std::optional<Bench> base;
+  if (!baseline.empty()) {
+    auto b = LoadBench(baseline, mo, prompt, gen);
+    if (!b.ok()) {
+      std::fprintf(stderr, "qkv-bench: --baseline: %s\n", b.status().ToString().c_str());
+      return b.status().code() == qkv::StatusCode::kOutOfRange ? 2 : 1;
+    }
+    base = std::move(*b);
   }
-  qkv::KvBlockPool pool(m.cache_layout().tokens.n_blocks, m.options().block_size);
-  if (prompt + gen > m.max_context()) {
-    std::fprintf(stderr, "qkv-bench: --prompt %d + --gen %d exceeds the model's context of %d tokens\n", prompt, gen,
-                 m.max_context());
-    return 2;
-  }
-  const double load_s = Since(tl);
   const int V = m.config().vocab;
   std::printf("model: %s\n", m.config().Summary().c_str());
   std::printf("weights %s, kv %s, threads %d; load %.2f s; weight bytes %.1f MB (read per decoded token %.1f MB)\n",
@@ -148,40 +213,19 @@ int main(int argc, char** argv) {
   const double bytes_all = static_cast<double>(m.weight_bytes_per_token()) + cache_read;
   std::vector<double> rep_ratio, rep_ratio_all;
   qkv::Model::Profile prefill_prof, decode_prof;
+  std::vector<double> base_tps, ratio;
   for (int r = 0; r < reps; ++r) {
-    qkv::SeqKv seq;
-    if (auto s = qkv::ReserveBlocks(seq, prompt + gen, mo.block_size, pool); !s.ok()) {
-      std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
+    qkv::Model::Profile pp, dp;
+    auto rep = RunRep(main_bench, tokens, gen, profile, &pp, &dp);
+    if (!rep.ok()) {
+      std::fprintf(stderr, "qkv-bench: %s\n", rep.status().ToString().c_str());
       return 1;
     }
-    if (auto s = qkv::ReserveStateSlot(seq, (*cache)->states()); !s.ok()) {
-      std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
-      return 1;
-    }
-    m.set_profiling(profile);
-    auto t0 = Clock::now();
-    qkv::BatchChunk ch{&seq, tokens, false};
-    if (auto s = m.Forward(std::span<const qkv::BatchChunk>(&ch, 1), **cache); !s.ok()) {
-      std::fprintf(stderr, "qkv-bench: %s\n", s.ToString().c_str());
-      return 1;
-    }
-    const double pre = Since(t0);
+    const auto [pre, dec] = *rep;
     if (pre < best_prefill) {
       best_prefill = pre;
-      prefill_prof = m.profile();
+      prefill_prof = pp;
     }
-    m.set_profiling(profile);
-    int next = qkv::ArgMax(m.logits(), V);
-    t0 = Clock::now();
-    for (int i = 0; i < gen; ++i) {
-      qkv::BatchChunk d{&seq, std::span<const int>(&next, 1), false};
-      if (auto s = m.Forward(std::span<const qkv::BatchChunk>(&d, 1), **cache); !s.ok()) {
-        std::fprintf(stderr, "qkv-bench: decode step %d: %s\n", i, s.ToString().c_str());
-        return 1;
-      }
-      next = qkv::ArgMax(m.logits(), V);
-    }
-    const double dec = Since(t0);
     const double rep_bw = MeasureBandwidth(bw_buf, bw_n, threads, 3);
     rep_ratio.push_back(gen / dec / (rep_bw * 1e9 / static_cast<double>(m.weight_bytes_per_token())));
     rep_ratio_all.push_back(gen / dec / (rep_bw * 1e9 / bytes_all));
@@ -191,10 +235,19 @@ int main(int argc, char** argv) {
         r + 1, gen / dec, rep_bw, 100.0 * rep_ratio.back(), 100.0 * rep_ratio_all.back());
     if (dec < best_decode) {
       best_decode = dec;
-      decode_prof = m.profile();
+      decode_prof = dp;
     }
-    qkv::ReleaseBlocks(seq, pool);
-    qkv::ReleaseStateSlot(seq, (*cache)->states());
+    if (base) {
+      auto b = RunRep(*base, tokens, gen, false, nullptr, nullptr);
+      if (!b.ok()) {
+        std::fprintf(stderr, "qkv-bench: --baseline: %s\n", b.status().ToString().c_str());
+        return 1;
+      }
+      base_tps.push_back(gen / b->second);
+      ratio.push_back(gen / dec / base_tps.back());
+      std::printf("rep %d: baseline decode %.1f tok/s; the model decodes %.2fx the baseline\n", r + 1, base_tps.back(),
+                  ratio.back());
+    }
   }
   const double bw = MeasureBandwidth(bw_buf, bw_n, threads, 5);
   const double prefill_tps = prompt / best_prefill;
@@ -227,6 +280,13 @@ int main(int argc, char** argv) {
   std::printf("roofline with the cache per repetition: median %.0f%% (%.0f%%-%.0f%%)\n",
               100.0 * rep_ratio_all[rep_ratio_all.size() / 2], 100.0 * rep_ratio_all.front(),
               100.0 * rep_ratio_all.back());
+  if (base) {
+    std::printf(
+        "baseline %s: decode median %.1f tok/s; the model over the baseline per repetition: median %.2fx "
+        "(%.2fx-%.2fx)\n",
+        baseline.c_str(), Median(base_tps), Median(ratio), *std::min_element(ratio.begin(), ratio.end()),
+        *std::max_element(ratio.begin(), ratio.end()));
+  }
   if (profile) {
     PrintProfile("prefill", prefill_prof);
     PrintProfile("decode", decode_prof);

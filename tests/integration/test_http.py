@@ -193,6 +193,13 @@ class HttpApiTest(unittest.TestCase):
             self.assertEqual(j["error"]["type"], "invalid_request_error", j)
             self.assertEqual(j["error"]["param"], field, j)
             self.assertIn(field, j["error"]["message"], j)
+        # A prompt that does not fit: OpenAI's context_length_exceeded, on the prompt or the messages.
+        for path, body, field in [("/v1/completions", dict(base, max_tokens=10 ** 6), "prompt"),
+                                  ("/v1/chat/completions",
+                                   {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}, "messages")]:
+            code, j = curl(self.s, "POST", path, body)
+            self.assertEqual((code, j["error"]["code"], j["error"]["param"]), (400, "context_length_exceeded", field), j)
+            self.assertTrue(j["error"]["message"].startswith("context overflow:"), j)
         code, j = curl(self.s, "POST", "/v1/completions", raw='{"prompt": "x", not json')
         self.assertEqual(code, 400)
         self.assertRegex(j["error"]["message"], r"^the body is not valid JSON \(at byte \d+\)$")

@@ -136,8 +136,8 @@ class ServerTest(unittest.TestCase):
         cases = [
             (st.Complete, greedy(text=""), grpc.StatusCode.INVALID_ARGUMENT, "text"),
             (st.Complete, pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "text, token_ids or messages"),
-            (st.Complete, greedy(token_ids=pb.TokenIds(ids=[1, 100000])), grpc.StatusCode.INVALID_ARGUMENT, "prompt[1]"),
-            (st.Complete, greedy(token_ids=pb.TokenIds(ids=[-1])), grpc.StatusCode.INVALID_ARGUMENT, "prompt[0]"),
+            (st.Complete, greedy(token_ids=pb.TokenIds(ids=[1, 100000])), grpc.StatusCode.INVALID_ARGUMENT, "token_ids.ids[1] = 100000"),
+            (st.Complete, greedy(token_ids=pb.TokenIds(ids=[-1])), grpc.StatusCode.INVALID_ARGUMENT, "token_ids.ids[0] = -1"),
             (st.Complete, greedy(text="x", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
             (st.Complete, greedy(text="x", max_tokens=100000), grpc.StatusCode.INVALID_ARGUMENT, "context"),
             (st.Complete, greedy(text="x", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
