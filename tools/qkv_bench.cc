@@ -266,20 +266,19 @@ int main(int argc, char** argv) {
               1e3 * best_decode / gen);
   std::printf("roofline: read bandwidth %.1f GB/s on %d threads -> %.1f tok/s; decode at %.0f%% of it\n", bw, threads,
               roofline, 100.0 * decode_tps / roofline);
-  std::sort(rep_ratio.begin(), rep_ratio.end());
+  const auto [lo, hi] = std::minmax_element(rep_ratio.begin(), rep_ratio.end());
   std::printf(
       "roofline per repetition (decode against the bandwidth measured right after it): median %.0f%% (%.0f%%-%.0f%%)\n",
-      100.0 * rep_ratio[rep_ratio.size() / 2], 100.0 * rep_ratio.front(), 100.0 * rep_ratio.back());
+      100.0 * Median(rep_ratio), 100.0 * *lo, 100.0 * *hi);
   // The lines above count weights only.
   const double roofline_all = bw * 1e9 / bytes_all;
   std::printf(
       "roofline with the cache: weights %.1f MB + cache %.1f MB a token (mean context %.0f) -> %.1f tok/s; "
       "decode at %.0f%% of it\n",
       m.weight_bytes_per_token() / 1e6, cache_read / 1e6, mean_ctx, roofline_all, 100.0 * decode_tps / roofline_all);
-  std::sort(rep_ratio_all.begin(), rep_ratio_all.end());
-  std::printf("roofline with the cache per repetition: median %.0f%% (%.0f%%-%.0f%%)\n",
-              100.0 * rep_ratio_all[rep_ratio_all.size() / 2], 100.0 * rep_ratio_all.front(),
-              100.0 * rep_ratio_all.back());
+  const auto [lo_all, hi_all] = std::minmax_element(rep_ratio_all.begin(), rep_ratio_all.end());
+  std::printf("roofline with the cache per repetition: median %.0f%% (%.0f%%-%.0f%%)\n", 100.0 * Median(rep_ratio_all),
+              100.0 * *lo_all, 100.0 * *hi_all);
   if (base) {
     std::printf(
         "baseline %s: decode median %.1f tok/s; the model over the baseline per repetition: median %.2fx "

@@ -640,8 +640,10 @@ void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, s
   // Columns in runs of one type, 64 at a time (the tile's output stays in L1); a panel is a run of its own.
   constexpr int kRun = 64;
   thread_local std::vector<float> out;
+  thread_local PanelRows packed;
   out.resize(static_cast<size_t>(a.m) * kRun);
   const bool vnni = Level() == KernelIsa::kAvx512Vnni;
+  bool is_packed = false;  // packed holds a (packed at the first panel)
   const uint8_t* w[kRun];
   for (int c = c0; c < c1;) {
     int n = 0, first = c;  // out holds columns first .. first + n − 1
@@ -649,7 +651,13 @@ void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, s
     const GgmlType t = run.type;
     if (run.stride == 0) {  // a panel
       first = run.first + (c - run.first) / run.unit * run.unit;
-      PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, a, out.data(), kRun);
+      if (vnni && !is_packed) packed.Pack(a), is_packed = true;
+      if (first == c && c + kPanelRows <= c1 && bias_.empty()) {  // a whole panel: straight into y
+        PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, a, packed, y + c, static_cast<int>(ldy));
+        c += kPanelRows;
+        continue;
+      }
+      PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, a, packed, out.data(), kRun);
       n = std::min(c1, first + kPanelRows) - first;
     } else {
       n = std::min({c1, run.end, c + kRun}) - c;

@@ -454,50 +454,62 @@ inline void PrefetchAhead(const uint8_t* d) {
 // ---- AVX-512 VNNI: R activation rows (from r0) against a panel. Per sub-block (or half, for kPer16) the
 // int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs as two
 // chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
+// Block b of a PanelRows group of R rows: values, scales, block and half-block sums of row r.
+template <int R>
+struct PackedBlock {
+  const uint8_t* p;
+  int32_t Quad(int r, int t) const { return Load32(p + 32 * r + 4 * t); }
+  float Scale(int r) const {
+    float v;
+    std::memcpy(&v, p + 32 * R + 4 * r, 4);
+    return v;
+  }
+  int32_t Sum32(int r) const { return Load32(p + 36 * R + 4 * r); }
+  int32_t Sum16(int r, int half) const { return Load32(p + 40 * R + 8 * r + 4 * half); }
+};
+
 template <class P, int R>
-QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRowSet& a, int r0, float* out, int ldo) {
+QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, float* out, int ldo) {
   constexpr int G = P::kValues / 32;
   constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
   constexpr bool kTwo = R < 4 && !P::kPer16;
-  const ARows<R> x(a, r0);
-  __m512 acc[R];
+  __m512 acc[R];  // unrolled loops only, so that acc stays in registers (a rolled one put it on the stack)
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
     if constexpr (R <= 2) PrefetchAhead<PB>(d);
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
-      const int b = sb * G + j;
+      const PackedBlock<R> x{rows + static_cast<size_t>(sb * G + j) * 48 * R};
       if constexpr (P::kPer16) {
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           __m512i sum[R];
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) sum[r] = _mm512_set1_epi32(-P::kBias * x.s16[r][2 * b + half]);
+          for (int r = 0; r < R; ++r) sum[r] = _mm512_set1_epi32(-P::kBias * x.Sum16(r, half));
 #pragma GCC unroll 4
           for (int t = 4 * half; t < 4 * half + 4; ++t) {
             const __m512i w = P::W512(d, j, t);
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r)
-              sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(Load32(x.q[r] + 32 * b + 4 * t)));
+            for (int r = 0; r < R; ++r) sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(x.Quad(r, t)));
           }
           const __m512 sc = P::Sc512(d, j, half);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(sc, _mm512_set1_ps(x.s[r][b])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(sc, _mm512_set1_ps(x.Scale(r))), acc[r]);
           if constexpr (P::kOff) {
             const __m512 off = P::Off512(d, j, half);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r)
-              acc[r] =
-                  _mm512_fnmadd_ps(off, _mm512_set1_ps(static_cast<float>(x.s16[r][2 * b + half]) * x.s[r][b]), acc[r]);
+              acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(static_cast<float>(x.Sum16(r, half)) * x.Scale(r)), acc[r]);
           }
         }
       } else {
         __m512i lo[R], hi[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          lo[r] = _mm512_set1_epi32(-P::kBias * x.s32[r][b]);
+          lo[r] = _mm512_set1_epi32(-P::kBias * x.Sum32(r));
           if constexpr (kTwo) hi[r] = _mm512_setzero_si512();
         }
 #pragma GCC unroll 8
@@ -505,7 +517,7 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRowSet&
           const __m512i w = P::W512(d, j, t);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const __m512i av = _mm512_set1_epi32(Load32(x.q[r] + 32 * b + 4 * t));
+            const __m512i av = _mm512_set1_epi32(x.Quad(r, t));
             if (kTwo && t >= 4) {
               hi[r] = _mm512_dpbusd_epi32(hi[r], w, av);
             } else {
@@ -517,27 +529,28 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const QuantizedRowSet&
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m512i sum = kTwo ? _mm512_add_epi32(lo[r], hi[r]) : lo[r];
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(x.s[r][b])), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(x.Scale(r))), acc[r]);
         }
         if constexpr (P::kOff) {
           const __m512 off = P::Off512(d, j, 0);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
-            acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(static_cast<float>(x.s32[r][b]) * x.s[r][b]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(static_cast<float>(x.Sum32(r)) * x.Scale(r)), acc[r]);
         }
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + static_cast<size_t>(r) * ldo, acc[r]);
 }
 
 template <class P>
-QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const QuantizedRowSet& a, float* out, int ldo) {
+QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const PanelRows& a, float* out, int ldo) {
   int r = 0;
-  for (; r + 8 <= a.m; r += 8) Tile512<P, 8>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
-  if (r + 4 <= a.m) Tile512<P, 4>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo), r += 4;
-  if (r + 2 <= a.m) Tile512<P, 2>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo), r += 2;
-  if (r < a.m) Tile512<P, 1>(panel, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
+  for (; r + 8 <= a.m(); r += 8) Tile512<P, 8>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
+  if (r + 4 <= a.m()) Tile512<P, 4>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo), r += 4;
+  if (r + 2 <= a.m()) Tile512<P, 2>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo), r += 2;
+  if (r < a.m()) Tile512<P, 1>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
 }
 
 // ---- AVX2: R activation rows against halves [h0, h0 + H) of a panel, the same int32 sums through
@@ -670,11 +683,41 @@ void PanelBlock(GgmlType t, const uint8_t* panel, int b, int c, uint8_t* dst) {
   });
 }
 
-void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRowSet& a, float* out, int ldo) {
+void PanelRows::Pack(const QuantizedRowSet& a) {
+  const int k = a.src->k, nb = k / 32;
+  m_ = a.m;
+  row_bytes_ = static_cast<size_t>(nb) * 48;
+  data_.resize(static_cast<size_t>(m_) * row_bytes_);
+  const auto pack = [&](int r0, int R) {
+    uint8_t* g = data_.data() + static_cast<size_t>(r0) * row_bytes_;
+    for (int r = 0; r < R; ++r) {
+      const size_t row = a.row(r0 + r);
+      const int8_t* q = a.src->q.data() + row * k;
+      const float* s = a.src->scale.data() + row * nb;
+      const int32_t* s16 = a.src->sum16.data() + row * (k / 16);
+      const int32_t* s32 = a.src->sum32.data() + row * nb;
+      for (int b = 0; b < nb; ++b) {
+        uint8_t* x = g + static_cast<size_t>(b) * 48 * R;
+        std::memcpy(x + 32 * r, q + 32 * b, 32);
+        std::memcpy(x + 32 * R + 4 * r, s + b, 4);
+        std::memcpy(x + 36 * R + 4 * r, s32 + b, 4);
+        std::memcpy(x + 40 * R + 8 * r, s16 + 2 * b, 8);
+      }
+    }
+  };
+  // The groups Dot512 walks.
+  int r0 = 0;
+  for (; r0 + 8 <= m_; r0 += 8) pack(r0, 8);
+  for (int R : {4, 2, 1})
+    if (r0 + R <= m_) pack(r0, R), r0 += R;
+}
+
+void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRowSet& a, const PanelRows& packed,
+              float* out, int ldo) {
   WithFormat(t, [&](auto p) {
     using P = decltype(p);
     if (vnni) {
-      Dot512<P>(panel, k, a, out, ldo);
+      Dot512<P>(panel, k, packed, out, ldo);
     } else {
       Dot256<P>(panel, k, a, out, ldo);
     }
