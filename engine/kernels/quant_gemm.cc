@@ -651,13 +651,13 @@ void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, s
     const GgmlType t = run.type;
     if (run.stride == 0) {  // a panel
       first = run.first + (c - run.first) / run.unit * run.unit;
-      if (vnni && !is_packed) packed.Pack(a), is_packed = true;
+      if (!is_packed) packed.Pack(a, vnni ? 8 : 4), is_packed = true;
       if (first == c && c + kPanelRows <= c1 && bias_.empty()) {  // a whole panel: straight into y
-        PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, a, packed, y + c, static_cast<int>(ldy));
+        PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, packed, y + c, static_cast<int>(ldy));
         c += kPanelRows;
         continue;
       }
-      PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, a, packed, out.data(), kRun);
+      PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, packed, out.data(), kRun);
       n = std::min(c1, first + kPanelRows) - first;
     } else {
       n = std::min({c1, run.end, c + kRun}) - c;

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "engine/kernels/cpu.h"
@@ -107,7 +108,7 @@ struct ScaleMin32 : Scale32 {
 // quant rows at kQuant.
 template <int kBytes, int kBias_, int kFileQh, int kFileQs, int kMask, int kQuant, class S>
 struct Block32 : S {
-  static constexpr int kValues = 32, kBlockBytes = kBytes, kBias = kBias_;
+  static constexpr int kValues = 32, kBlockBytes = kBytes, kBias = kBias_, kMaxU = kMask != 0 ? 31 : 15;
   static constexpr bool kSigned2 = false, kPer16 = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -139,13 +140,13 @@ using Q5_0P = Block32<22, 16, 2, 6, 32, 96, Scale32>;
 using Q4_1P = Block32<20, 0, 0, 4, 0, 64, ScaleMin32>;
 using Q5_1P = Block32<24, 0, 4, 8, 64, 128, ScaleMin32>;
 struct Iq4NlP : Q4_0P {
-  static constexpr int kBias = 128;
+  static constexpr int kBias = 128, kMaxU = 127;
   static constexpr bool kSigned2 = true;
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) { return Iq4Book512(Q4_0P::W512(d, j, t)); }
   static __m256i W256(const uint8_t* d, int j, int t, int h) { return Iq4Book256(Q4_0P::W256(d, j, t, h)); }
 };
 struct Q8_0P : Q4_0P {
-  static constexpr int kBlockBytes = 34, kBias = 128;
+  static constexpr int kBlockBytes = 34, kBias = 128, kMaxU = 127;
   static constexpr bool kSigned2 = true;
   template <class F>
   static void Chunks(int c, F f) {
@@ -158,7 +159,7 @@ struct Q8_0P : Q4_0P {
   static __m256i W256(const uint8_t* d, int, int t, int h) { return Row256(d + 32 + 64 * t, h); }
 };
 struct Q4_KP {
-  static constexpr int kValues = 256, kBlockBytes = 144, kBias = 0;
+  static constexpr int kValues = 256, kBlockBytes = 144, kBias = 0, kMaxU = 15;
   static constexpr bool kSigned2 = false, kPer16 = false, kOff = true;
   template <class F>
   static void Chunks(int c, F f) {
@@ -214,7 +215,7 @@ struct Q4_KP {
   }
 };
 struct Q5_KP : Q4_KP {
-  static constexpr int kBlockBytes = 176;
+  static constexpr int kBlockBytes = 176, kMaxU = 31;
   template <class F>
   static void Chunks(int c, F f) {
     f(0, 2 * c, 2);
@@ -237,7 +238,7 @@ struct Q5_KP : Q4_KP {
   }
 };
 struct Q6_KP {
-  static constexpr int kValues = 256, kBlockBytes = 210, kBias = 32;
+  static constexpr int kValues = 256, kBlockBytes = 210, kBias = 32, kMaxU = 63;
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -278,7 +279,7 @@ struct Q6_KP {
   static __m256 Off256(const uint8_t*, int, int, int) { return _mm256_setzero_ps(); }
 };
 struct Iq4XsP {
-  static constexpr int kValues = 256, kBlockBytes = 136, kBias = 128;
+  static constexpr int kValues = 256, kBlockBytes = 136, kBias = 128, kMaxU = 127;
   static constexpr bool kSigned2 = true, kPer16 = false, kOff = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -321,7 +322,7 @@ struct Iq4XsP {
 
 // Q2_K and Q3_K: 2-bit values per 16 with their own scale (Q2_K also a minimum per 16).
 struct Q2_KP {
-  static constexpr int kValues = 256, kBlockBytes = 84, kBias = 0;
+  static constexpr int kValues = 256, kBlockBytes = 84, kBias = 0, kMaxU = 3;
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = true;
   template <class F>
   static void Chunks(int c, F f) {
@@ -370,7 +371,7 @@ struct Q2_KP {
 // Q3_K: value = lo − 4 + 4 × (hmask bit), so unsigned lo + 4 × bit with kBias 4; the 6-bit signed scales of
 // ScaleK3 (quant.cc) decoded for 16 rows at once from 3 rows of dwords.
 struct Q3_KP {
-  static constexpr int kValues = 256, kBlockBytes = 110, kBias = 4;
+  static constexpr int kValues = 256, kBlockBytes = 110, kBias = 4, kMaxU = 7;
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -422,24 +423,6 @@ inline int32_t Load32(const void* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
-
-// Where activation rows r0 .. r0 + R − 1 start: values, per-32 scales, per-16 and per-32 sums.
-template <int R>
-struct ARows {
-  const int8_t* q[R];
-  const float* s[R];
-  const int32_t* s16[R];
-  const int32_t* s32[R];
-  ARows(const QuantizedRowSet& a, int r0) {
-    for (int r = 0; r < R; ++r) {
-      const size_t row = a.row(r0 + r), k = static_cast<size_t>(a.src->k);
-      q[r] = a.src->q.data() + row * k;
-      s[r] = a.src->scale.data() + row * (k / 32);
-      s16[r] = a.src->sum16.data() + row * (k / 16);
-      s32[r] = a.src->sum32.data() + row * (k / 32);
-    }
-  }
-};
 
 // Decode tiles (few activation rows) are bound by reading the weights: each super-block asks for the
 // bytes 4 KiB ahead (the next super-blocks of the panel, then the next panel, which follows it). The hardware
@@ -557,11 +540,10 @@ QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const PanelRows& a, flo
 // maddubs + madd (unsigned w + kBias, or |w| against a × sign(w) for the signed formats: no saturation,
 // since |a| ≤ 127) and the same float operations.
 template <class P, int R, int H>
-void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRowSet& a, int r0, float* out, int ldo) {
+void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, float* out, int ldo) {
   constexpr int G = P::kValues / 32;
   constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
   constexpr int kBias = P::kSigned2 ? 0 : P::kBias;
-  const ARows<R> x(a, r0);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][H];
   for (int r = 0; r < R; ++r)
@@ -571,16 +553,20 @@ void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRowSet& a, int 
     if constexpr (R == 1) PrefetchAhead<PB>(d);
 #pragma GCC unroll 1
     for (int j = 0; j < G; ++j) {
-      const int b = sb * G + j;
+      const PackedBlock<R> x{rows + static_cast<size_t>(sb * G + j) * 48 * R};
       constexpr int kParts = P::kPer16 ? 2 : 1;  // integer sums per sub-block
 #pragma GCC unroll 2
       for (int part = 0; part < kParts; ++part) {
         __m256i sum[R][H];
         for (int r = 0; r < R; ++r) {
-          const int32_t s = P::kPer16 ? x.s16[r][2 * b + part] : x.s32[r][b];
+          const int32_t s = P::kPer16 ? x.Sum16(r, part) : x.Sum32(r);
           for (int h = 0; h < H; ++h) sum[r][h] = _mm256_set1_epi32(-kBias * s);
         }
         constexpr int kQuads = 8 / kParts;
+        // A pair of products is at most 2 × kMaxU × 127 (no saturation in maddubs); kRun quads of pairs still
+        // fit in int16, so they are added there and widened once (the same exact integer sum).
+        constexpr int kRun = std::min(kQuads, 32767 / (2 * 127 * P::kMaxU));
+        __m256i run[R][H];
 #pragma GCC unroll 8
         for (int t = part * kQuads; t < (part + 1) * kQuads; ++t) {
 #pragma GCC unroll 2
@@ -589,9 +575,10 @@ void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRowSet& a, int 
             const __m256i wu = P::kSigned2 ? _mm256_sign_epi8(w, w) : w;
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
-              const __m256i av = _mm256_set1_epi32(Load32(x.q[r] + 32 * b + 4 * t));
+              const __m256i av = _mm256_set1_epi32(x.Quad(r, t));
               const __m256i p16 = _mm256_maddubs_epi16(wu, P::kSigned2 ? _mm256_sign_epi8(av, w) : av);
-              sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(p16, ones));
+              run[r][h] = t % kRun == 0 ? p16 : _mm256_add_epi16(run[r][h], p16);
+              if (t % kRun == kRun - 1) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(run[r][h], ones));
             }
           }
         }
@@ -600,15 +587,15 @@ void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRowSet& a, int 
           const __m256 sc = P::Sc256(d, j, part, h0 + h);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r)
-            acc[r][h] =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(sc, _mm256_set1_ps(x.s[r][b])), acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(sc, _mm256_set1_ps(x.Scale(r))),
+                                        acc[r][h]);
           if constexpr (P::kOff) {
             // The minimum's term right after the sum it belongs to (per 16 values for kPer16, else per 32).
             const __m256 off = P::Off256(d, j, part, h0 + h);
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
-              const int32_t sa = P::kPer16 ? x.s16[r][2 * b + part] : x.s32[r][b];
-              acc[r][h] = _mm256_fnmadd_ps(off, _mm256_set1_ps(static_cast<float>(sa) * x.s[r][b]), acc[r][h]);
+              const int32_t sa = P::kPer16 ? x.Sum16(r, part) : x.Sum32(r);
+              acc[r][h] = _mm256_fnmadd_ps(off, _mm256_set1_ps(static_cast<float>(sa) * x.Scale(r)), acc[r][h]);
             }
           }
         }
@@ -620,11 +607,15 @@ void Tile256(const uint8_t* panel, int h0, int k, const QuantizedRowSet& a, int 
 }
 
 template <class P>
-void Dot256(const uint8_t* panel, int k, const QuantizedRowSet& a, float* out, int ldo) {
+void Dot256(const uint8_t* panel, int k, const PanelRows& a, float* out, int ldo) {
   int r = 0;
-  for (; r + 4 <= a.m; r += 4)
-    for (int h = 0; h < 2; ++h) Tile256<P, 4, 1>(panel, h, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
-  for (; r < a.m; ++r) Tile256<P, 1, 2>(panel, 0, k, a, r, out + static_cast<size_t>(r) * ldo, ldo);
+  for (; r + 4 <= a.m(); r += 4)
+    for (int h = 0; h < 2; ++h) Tile256<P, 4, 1>(panel, h, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
+  if (r + 2 <= a.m()) {
+    for (int h = 0; h < 2; ++h) Tile256<P, 2, 1>(panel, h, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
+    r += 2;
+  }
+  if (r < a.m()) Tile256<P, 1, 2>(panel, 0, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
 }
 
 // Calls f with the format of t (a value of its struct); false when t has no panel kernel.
@@ -683,7 +674,7 @@ void PanelBlock(GgmlType t, const uint8_t* panel, int b, int c, uint8_t* dst) {
   });
 }
 
-void PanelRows::Pack(const QuantizedRowSet& a) {
+void PanelRows::Pack(const QuantizedRowSet& a, int top) {
   const int k = a.src->k, nb = k / 32;
   m_ = a.m;
   row_bytes_ = static_cast<size_t>(nb) * 48;
@@ -705,19 +696,18 @@ void PanelRows::Pack(const QuantizedRowSet& a) {
       }
     }
   };
-  // The groups Dot512 walks.
+  // The groups Dot512 (top 8) and Dot256 (top 4) walk.
   int r0 = 0;
-  for (; r0 + 8 <= m_; r0 += 8) pack(r0, 8);
-  for (int R : {4, 2, 1})
+  for (; r0 + top <= m_; r0 += top) pack(r0, top);
+  for (int R = top / 2; R >= 1; R /= 2)
     if (r0 + R <= m_) pack(r0, R), r0 += R;
 }
 
-void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRowSet& a, const PanelRows& packed,
-              float* out, int ldo) {
+void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const PanelRows& a, float* out, int ldo) {
   WithFormat(t, [&](auto p) {
     using P = decltype(p);
     if (vnni) {
-      Dot512<P>(panel, k, packed, out, ldo);
+      Dot512<P>(panel, k, a, out, ldo);
     } else {
       Dot256<P>(panel, k, a, out, ldo);
     }

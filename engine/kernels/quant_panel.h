@@ -25,8 +25,9 @@ struct QuantizedRowSet;
 
 inline constexpr int kPanelRows = 16;
 
-// The activation rows of a QuantizedRowSet laid out for the AVX-512 tiles, built once per GEMM call and read
-// by every panel: rows in groups of 8, then 4, 2 and 1 (the tiles' heights), and per group of R rows and
+// The activation rows of a QuantizedRowSet laid out for the panel tiles, built once per GEMM call and read by
+// every panel: rows in groups of `top` (8 for the AVX-512 tiles, 4 for AVX2), then at most one group of each
+// smaller power of two (the tiles' heights), and per group of R rows and
 // 32-block b, at b × 48R: the R rows' 32 values (row r at 32r), their scales (float, at 32R + 4r), block
 // sums (int32, at 36R + 4r) and half-block sums (int32, at 40R + 8r). A tile then finds everything from one
 // pointer at fixed offsets; with a pointer per row and per array (32 for 8 rows) the 8-row tile spilled
@@ -34,7 +35,7 @@ inline constexpr int kPanelRows = 16;
 // are the QuantizedRows' own: the same bits as reading them there.
 class PanelRows {
  public:
-  void Pack(const QuantizedRowSet& a);
+  void Pack(const QuantizedRowSet& a, int top);
   int m() const { return m_; }
   // The group that starts at row r0 (a multiple of the heights before it, as PanelDot walks them).
   const uint8_t* group(int r0) const { return data_.data() + static_cast<size_t>(r0) * row_bytes_; }
@@ -51,9 +52,8 @@ bool HasPanelKernel(GgmlType t);
 void RepackPanel(GgmlType t, const uint8_t* src, size_t row_bytes, int k, uint8_t* dst);
 // The file's bytes of block b of row c of a panel (GgmlBlockBytes(t) bytes to dst).
 void PanelBlock(GgmlType t, const uint8_t* panel, int b, int c, uint8_t* dst);
-// out[r × ldo + c] = Σ_b (see above) for every activation row r < a.m and panel row c < kPanelRows. With vnni,
-// `packed` holds a's rows packed (PanelRows::Pack); the AVX-512 tiles read those, the AVX2 ones read a.
-void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const QuantizedRowSet& a, const PanelRows& packed,
-              float* out, int ldo);
+// out[r × ldo + c] = Σ_b (see above) for every activation row r < a.m() and panel row c < kPanelRows; a packed
+// with top 8 for vnni (the AVX-512 tiles), 4 otherwise (AVX2).
+void PanelDot(bool vnni, GgmlType t, const uint8_t* panel, int k, const PanelRows& a, float* out, int ldo);
 
 }  // namespace qkv
