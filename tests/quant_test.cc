@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/bf16.h"
@@ -351,6 +352,29 @@ TEST(QuantLinear, RowsAreIndependentOfMAndThreads) {
       }
     }
   }
+}
+
+// Compute's per-thread buffers (the packed activation rows, the output tile) are counted in the process's
+// scratch while the thread lives, and no longer once it has exited.
+TEST(QuantLinear, ComputeScratchIsCounted) {
+  const int k = 512, n = 32, m = 16;
+  const auto q = Encode(GgmlType::kQ4_0, Normal(static_cast<size_t>(n) * k, 31, 0.05f), n, k);
+  const QuantWeights w({{GgmlType::kQ4_0, n, q.data()}}, k, nullptr);
+  QuantizedRows a;
+  a.Resize(m, k);
+  const auto x = Normal(static_cast<size_t>(m) * k, 32);
+  a.Quantize(x.data(), 0, m);
+  std::vector<float> y(static_cast<size_t>(m) * n);
+  const size_t before = QuantWeights::ScratchBytes();
+  const size_t packed = static_cast<size_t>(m) * (k / 32) * 48;  // PanelRows: 48 bytes a row and 32-block
+  size_t during = 0;
+  std::thread t([&] {
+    w.Compute(a, 0, n, y.data(), n);
+    during = QuantWeights::ScratchBytes();
+  });
+  t.join();
+  EXPECT_GE(during, before + packed);
+  EXPECT_EQ(QuantWeights::ScratchBytes(), before);
 }
 
 // Close to the f32 product with the dequantized weights (the activations' 8 bits are the difference).

@@ -120,7 +120,7 @@ class GemmRuntime {
     return bf16_rows_.data();
   }
   size_t scratch_bytes() const {
-    size_t n = staging_bytes_.load(std::memory_order_relaxed);
+    size_t n = staging_bytes_.load(std::memory_order_relaxed) + QuantWeights::ScratchBytes();
     for (const auto& s : scratch_) n += s.capacity();
     for (const auto& o : out_) n += o.capacity() * sizeof(float);
     return n;

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -636,11 +637,33 @@ void QuantWeights::DequantizeRow(int r, float* dst) const {
   }
 }
 
+namespace {
+std::atomic<size_t> g_compute_scratch_bytes{0};
+
+// A thread's buffers for QuantWeights::Compute, their bytes kept in g_compute_scratch_bytes.
+struct ComputeScratch {
+  PanelRows packed;
+  std::vector<float> out;
+  size_t counted = 0;
+  void Count() {
+    const size_t n = packed.bytes() + out.capacity() * sizeof(float);
+    if (n != counted) {
+      g_compute_scratch_bytes.fetch_add(n - counted, std::memory_order_relaxed);  // modular: shrinking works too
+      counted = n;
+    }
+  }
+  ~ComputeScratch() { g_compute_scratch_bytes.fetch_sub(counted, std::memory_order_relaxed); }
+};
+}  // namespace
+
+size_t QuantWeights::ScratchBytes() { return g_compute_scratch_bytes.load(std::memory_order_relaxed); }
+
 void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, size_t ldy) const {
   // Columns in runs of one type, 64 at a time (the tile's output stays in L1); a panel is a run of its own.
   constexpr int kRun = 64;
-  thread_local std::vector<float> out;
-  thread_local PanelRows packed;
+  thread_local ComputeScratch scratch;
+  std::vector<float>& out = scratch.out;
+  PanelRows& packed = scratch.packed;
   out.resize(static_cast<size_t>(a.m) * kRun);
   const bool vnni = Level() == KernelIsa::kAvx512Vnni;
   bool is_packed = false;  // packed holds a (packed at the first panel)
@@ -671,6 +694,7 @@ void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, s
     }
     c = first + n;
   }
+  scratch.Count();
 }
 
 }  // namespace qkv

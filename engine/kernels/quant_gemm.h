@@ -98,6 +98,9 @@ class QuantWeights {
   }
   // The same for the rows a selects: y row i from row a.row(i).
   void Compute(const QuantizedRowSet& a, int c0, int c1, float* y, size_t ldy) const;
+  // Bytes held by every thread's buffers for Compute (the packed activation rows, the output tile), in the
+  // whole process: part of the runtime's scratch (GemmRuntime::scratch_bytes).
+  static size_t ScratchBytes();
 
  private:
   // Where a column's blocks lie, worked out from its run. (A table of 32 bytes a column was 38 MB on the MoE

@@ -37,6 +37,7 @@ class PanelRows {
  public:
   void Pack(const QuantizedRowSet& a, int top);
   int m() const { return m_; }
+  size_t bytes() const { return data_.capacity(); }
   // The group that starts at row r0 (a multiple of the heights before it, as PanelDot walks them).
   const uint8_t* group(int r0) const { return data_.data() + static_cast<size_t>(r0) * row_bytes_; }
 
