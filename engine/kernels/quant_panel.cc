@@ -434,9 +434,6 @@ inline void PrefetchAhead(const uint8_t* d) {
   for (size_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(d + kAhead + o), _MM_HINT_T0);
 }
 
-// ---- AVX-512 VNNI: R activation rows (from r0) against a panel. Per sub-block (or half, for kPer16) the
-// int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs as two
-// chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
 // Block b of a PanelRows group of R rows: values, scales, block and half-block sums of row r.
 template <int R>
 struct PackedBlock {
@@ -451,6 +448,9 @@ struct PackedBlock {
   int32_t Sum16(int r, int half) const { return Load32(p + 40 * R + 8 * r + 4 * half); }
 };
 
+// ---- AVX-512 VNNI: a group of R activation rows (PanelRows) against a panel. Per sub-block (or half, for
+// kPer16) the int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs
+// as two chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
 template <class P, int R>
 QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, float* out, int ldo) {
   constexpr int G = P::kValues / 32;
@@ -536,7 +536,7 @@ QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const PanelRows& a, flo
   if (r < a.m()) Tile512<P, 1>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
 }
 
-// ---- AVX2: R activation rows against halves [h0, h0 + H) of a panel, the same int32 sums through
+// ---- AVX2: a group of R activation rows against halves [h0, h0 + H) of a panel, the same int32 sums through
 // maddubs + madd (unsigned w + kBias, or |w| against a × sign(w) for the signed formats: no saturation,
 // since |a| ≤ 127) and the same float operations.
 template <class P, int R, int H>
@@ -566,6 +566,7 @@ void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, float* ou
         // A pair of products is at most 2 × kMaxU × 127 (no saturation in maddubs); kRun quads of pairs still
         // fit in int16, so they are added there and widened once (the same exact integer sum).
         constexpr int kRun = std::min(kQuads, 32767 / (2 * 127 * P::kMaxU));
+        static_assert(kQuads % kRun == 0);
         __m256i run[R][H];
 #pragma GCC unroll 8
         for (int t = part * kQuads; t < (part + 1) * kQuads; ++t) {
