@@ -9,8 +9,10 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <thread>
 
@@ -18,6 +20,8 @@
 
 namespace {
 using Clock = std::chrono::steady_clock;
+// The session figure: three turns of history / 3 tokens (8 of them generated), then a turn of kTurn4.
+constexpr int kMinHistory = 27, kTurn4 = 64;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 std::vector<int> Tokens(int n, int salt, int vocab) {
@@ -33,6 +37,16 @@ qkv::GenerateParams Greedy(std::vector<int> prompt, int max_tokens) {
   p.sampling.temperature = 0;
   p.ignore_eos = true;
   return p;
+}
+
+// The stream of a submitted request, or the engine's refusal on stderr and exit 2 (a request the options
+// made that the engine or this model refuses, e.g. one past the context) or 1.
+std::shared_ptr<qkv::RequestStream> SubmitOrExit(qkv::Engine& eng, qkv::GenerateParams p, const char* what) {
+  auto s = eng.Submit(std::move(p));
+  if (s.ok()) return *s;
+  std::fprintf(stderr, "qkv-bench-engine: %s: %s\n", what, s.status().ToString().c_str());
+  const qkv::StatusCode c = s.status().code();
+  std::exit(c == qkv::StatusCode::kInvalidArgument || c == qkv::StatusCode::kOutOfRange ? 2 : 1);
 }
 
 // Drains a stream; returns the time its first token arrived.
@@ -55,19 +69,25 @@ int main(int argc, char** argv) {
   int threads = 2, gen = 64, history = 2000;
   std::vector<int> conc = {1, 4, 16, 64};
   app.add_option("--model", model, "GGUF model file")->required();
-  app.add_option("--threads", threads, "compute threads")->capture_default_str();
+  app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
   app.add_option("--concurrency", conc, "concurrent sequences for the decode figure")
       ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--gen", gen, "tokens generated per sequence")->capture_default_str();
-  app.add_option("--history", history, "session history before the measured turn")->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--gen", gen, "tokens generated per sequence")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  auto* history_opt =
+      app.add_option("--history", history,
+                     "session history before the measured turn (default: 2000, or what the model's context leaves)")
+          ->capture_default_str()
+          ->check(CLI::Range(kMinHistory, 1 << 24));
   float temperature = 0;
   int idle_sessions = 0;
   std::string kv_dtype = "bf16";
   app.add_option("--kv-dtype", kv_dtype, "KV cache dtype: bf16, f32 or int8")->capture_default_str();
   app.add_option("--idle-sessions", idle_sessions,
                  "idle sessions (8 tokens each, TTL 1 h) created before the decode figure")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--temperature", temperature, "sampling temperature of the decode figure (0: greedy)")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -89,7 +109,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", m.status().ToString().c_str());
     return 1;
   }
-  const int V = (*m)->config().vocab;
+  const int V = (*m)->config().vocab, ctx = (*m)->max_context();
+  // The fourth turn adds kTurn4 tokens and generates 4 after the history: without --history, as much of 2000
+  // as the context leaves; a --history that does not fit is an error.
+  if (history + kTurn4 + 4 > ctx) {
+    if (history_opt->count() > 0 || ctx - kTurn4 - 4 < kMinHistory) {
+      std::fprintf(stderr,
+                   "qkv-bench-engine: --history %d + the measured turn's %d tokens exceed the context of %d tokens "
+                   "of %s\n",
+                   history, kTurn4 + 4, ctx, model.c_str());
+      return 2;
+    }
+    history = ctx - kTurn4 - 4;
+  }
   std::printf("model: %s, %d threads, %lld KV blocks of 16\n", (*m)->config().Summary().c_str(), threads,
               static_cast<long long>(mo.kv_blocks));
   std::printf("gemm: cpu isa %s (own kernels %s); compute dtype %s; %s\n", qkv::GemmRuntime::CpuIsa().c_str(),
@@ -121,7 +153,7 @@ int main(int argc, char** argv) {
       auto p = Greedy(Tokens(16, 1000 + i, V), gen);
       p.sampling.temperature = temperature;
       p.sampling.seed = 1 + i;
-      st.push_back(*eng.Submit(p));
+      st.push_back(SubmitOrExit(eng, p, "decode figure (16-token prompts, --gen, --temperature)"));
     }
     // One reader thread per stream records when its first token arrives; the decode phase is timed from
     // the moment every sequence has its first token to the end.
@@ -151,22 +183,22 @@ int main(int argc, char** argv) {
       p.session_id = "s";
       full.insert(full.end(), p.prompt.begin(), p.prompt.end());
       int n = 0;
-      Drain(*eng.Submit(p), &n);
+      Drain(SubmitOrExit(eng, p, "session history"), &n);
     }
     auto info = eng.GetSession("bench", "s", true);
-    auto p4 = Greedy(Tokens(64, 99, V), 4);
+    auto p4 = Greedy(Tokens(kTurn4, 99, V), 4);
     p4.ns = "bench";
     p4.session_id = "s";
     int n = 0;
     auto t0 = Clock::now();
-    const auto f1 = Drain(*eng.Submit(p4), &n);
+    const auto f1 = Drain(SubmitOrExit(eng, p4, "fourth turn"), &n);
     const double ttft_session = std::chrono::duration<double>(f1 - t0).count();
     std::vector<int> fresh = info->tokens;
     fresh.insert(fresh.end(), p4.prompt.begin(), p4.prompt.end());
     auto pf = Greedy(fresh, 4);
     pf.ns = "fresh";  // another namespace: no prefix-cache hit
     t0 = Clock::now();
-    const auto f2 = Drain(*eng.Submit(pf), &n);
+    const auto f2 = Drain(SubmitOrExit(eng, pf, "fourth turn, fresh"), &n);
     const double ttft_fresh = std::chrono::duration<double>(f2 - t0).count();
     std::printf(
         "time to first token, turn 4 with %zu tokens of history: session %.1f ms, fresh %.1f ms (%.1fx faster)\n",
@@ -178,8 +210,11 @@ int main(int argc, char** argv) {
   {
     std::mt19937 rng(3);
     std::vector<std::shared_ptr<qkv::RequestStream>> st;
-    for (int i = 0; i < 16; ++i)
-      st.push_back(*eng.Submit(Greedy(Tokens(20 + rng() % 300, 2000 + i, V), 16 + rng() % 48)));
+    for (int i = 0; i < 16; ++i) {
+      // 20-319 prompt and 16-63 generated tokens, within the context of a small model.
+      const int n_prompt = std::min<int>(20 + rng() % 300, ctx / 2), n_gen = std::min<int>(16 + rng() % 48, ctx / 4);
+      st.push_back(SubmitOrExit(eng, Greedy(Tokens(n_prompt, 2000 + i, V), n_gen), "KV efficiency figure"));
+    }
     double sum = 0;
     int samples = 0;
     for (int k = 0; k < 200; ++k) {
