@@ -153,6 +153,14 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
       budget = std::max<int64_t>(budget - (slots + snapshots_for(slots)) * state_bytes, 0);
     }
     ks.n_blocks = std::max(budget / ks.bytes_per_block(), ctx_blocks);
+    if (opt.kv_cache_bytes > 0 && budget / ks.bytes_per_block() < ctx_blocks) {
+      // Never less than one full context: say so, since the arena is then larger than the budget asked for.
+      spdlog::warn(
+          "kv cache: a budget of {} bytes holds {} blocks, less than one full context of {} tokens; using "
+          "{} blocks ({:.1f} MiB)",
+          opt.kv_cache_bytes, budget / ks.bytes_per_block(), m->max_ctx_, ctx_blocks,
+          static_cast<double>(ctx_blocks * ks.bytes_per_block()) / (1 << 20));
+    }
   } else {
     ks.n_blocks = ctx_blocks;
   }

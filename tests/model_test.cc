@@ -1,12 +1,15 @@
 #include "engine/model.h"
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "engine/bf16.h"
 #include "engine/block_manager.h"
@@ -398,6 +401,38 @@ TEST(Model, HybridLayerKindsStateAndBudget) {
     ASSERT_TRUE(c.ok());
     EXPECT_EQ((*c)->cache_layout().state_slots, 3);
   }
+}
+
+// A byte budget below one full context still gets one full context (a sequence must fit), and the start-up
+// log says so: the arena is then larger than what the operator asked for.
+TEST(Model, KvBudgetBelowOneContextIsRaisedAndLogged) {
+  const ModelConfig cfg = testing::SmallConfig(Arch::kQwen3);
+  const std::string path = testing::WriteModel(cfg, "kv_budget", 5);
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_st>(log);
+  auto& sinks = spdlog::default_logger()->sinks();
+  sinks.push_back(sink);
+  const auto level = spdlog::get_level();
+  spdlog::set_level(spdlog::level::info);
+  for (const int64_t budget : {int64_t{1}, int64_t{1} << 30}) {
+    log.str("");
+    ModelOptions mo;
+    mo.kv_cache_bytes = budget;
+    auto m = Model::Load(path, mo);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    const CacheLayout& l = (*m)->cache_layout();
+    const int64_t ctx_blocks = ((*m)->max_context() + l.tokens.block_size - 1) / l.tokens.block_size;
+    const bool raised = log.str().find("less than one full context") != std::string::npos;
+    if (budget == 1) {
+      EXPECT_EQ(l.tokens.n_blocks, ctx_blocks);
+      EXPECT_TRUE(raised) << log.str();
+    } else {
+      EXPECT_GT(l.tokens.n_blocks, ctx_blocks);
+      EXPECT_FALSE(raised) << log.str();
+    }
+  }
+  spdlog::set_level(level);
+  sinks.pop_back();
 }
 
 // Hugging Face Qwen3.5 names: layer_types or full_attention_interval, the linear head counts and widths; the
