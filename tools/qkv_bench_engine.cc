@@ -46,7 +46,9 @@ std::shared_ptr<qkv::RequestStream> SubmitOrExit(qkv::Engine& eng, qkv::Generate
   if (s.ok()) return *s;
   std::fprintf(stderr, "qkv-bench-engine: %s: %s\n", what, s.status().ToString().c_str());
   const qkv::StatusCode c = s.status().code();
-  std::exit(c == qkv::StatusCode::kInvalidArgument || c == qkv::StatusCode::kOutOfRange ? 2 : 1);
+  // The engine's thread is still running: leave without static destructors under it.
+  std::fflush(nullptr);
+  std::_Exit(c == qkv::StatusCode::kInvalidArgument || c == qkv::StatusCode::kOutOfRange ? 2 : 1);
 }
 
 // Drains a stream; returns the time its first token arrived.
