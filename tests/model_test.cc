@@ -414,6 +414,15 @@ TEST(Model, KvBudgetBelowOneContextIsRaisedAndLogged) {
   sinks.push_back(sink);
   const auto level = spdlog::get_level();
   spdlog::set_level(spdlog::level::info);
+  // Restored however the test leaves (an ASSERT returns early): no later test may log into `log`.
+  struct Restore {
+    std::vector<spdlog::sink_ptr>& sinks;
+    spdlog::level::level_enum level;
+    ~Restore() {
+      spdlog::set_level(level);
+      sinks.pop_back();
+    }
+  } restore{sinks, level};
   for (const int64_t budget : {int64_t{1}, int64_t{1} << 30}) {
     log.str("");
     ModelOptions mo;
@@ -431,8 +440,6 @@ TEST(Model, KvBudgetBelowOneContextIsRaisedAndLogged) {
       EXPECT_FALSE(raised) << log.str();
     }
   }
-  spdlog::set_level(level);
-  sinks.pop_back();
 }
 
 // Hugging Face Qwen3.5 names: layer_types or full_attention_interval, the linear head counts and widths; the
