@@ -17,8 +17,9 @@ constexpr int P = PackedWeights::kPanel;
 // streams of K × 32 (bf16) or × 64 (f32) bytes, some KiB to some tens of KiB each, which the hardware
 // prefetcher alone follows at ~80% of the bandwidth on a Zen 5. Each such tile asks for every panel's line
 // Ahead(NP) bytes on as it reads one (8 KiB ahead in all, at most 4 KiB per stream; 4 and 16 KiB in all
-// measured slower): bf16 MoE decode at the avx2 level +8-17% (docs/performance.md). The AVX-512 tiles (8
-// panels of 64 bytes a step) measured 2-6% slower with the same asking, so they do without. Past a panel's
+// measured slower): bf16 MoE decode at the avx2 level +8-17% (docs/performance.md). The AVX-512 FMA tiles (8
+// panels of 64 bytes a step) measured 2-6% slower with the same asking, so they do without; the bf16 form's
+// tiles ask into L2 instead (kDotAhead, below). Past a panel's
 // end the line is the next panel's, read next or by the next tile; prefetches never fault.
 constexpr size_t Ahead(int np) { return std::min<size_t>(4096, 8192 / np); }
 template <int MR, int NP>
@@ -162,6 +163,12 @@ QKV_AVX512 void Tile512(const float* __restrict x, int ldx, const W* __restrict 
   }
 }
 
+// Decode tiles of the bf16 form ask for each panel's line kDotAhead bytes on, into L2 (T1): on a Zen 4 EPYC
+// (2 vCPUs) bf16 decode then read at 91-98% of qkv-bench's roofline against 86-92% without, dense and MoE,
+// six alternated pairs each (docs/performance.md, 2026-12-06). Into L1 (T0) the same asking measured 2-6%
+// slower on a Zen 5 (the other AVX-512 tiles still do without).
+constexpr size_t kDotAhead = 1024;
+
 // The bf16 form (packed_gemm.h): MR rows × NP panels; x holds each row's bf16 values (K even, rows ldx
 // values apart), read as k-pairs of 32 bits; a panel row (one pair of k) is 16 columns' pairs in one zmm.
 // Each accumulator lane is one output's chain of vdpbf16ps over the pairs in order.
@@ -174,6 +181,13 @@ QKV_AVX512_BF16 void TileDot(const uint16_t* __restrict x, int ldx, const uint16
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int k = 0; k < K / 2; ++k) {
+    if constexpr (MR <= 2) {
+      // Each panel's line 1 KiB on, into L2 (see kDotAhead).
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * pstride + static_cast<size_t>(k) * 2 * P) + kDotAhead,
+                     _MM_HINT_T1);
+    }
     __m512bh wv[NP];
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * pstride + static_cast<size_t>(k) * 2 * P);

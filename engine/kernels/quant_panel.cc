@@ -425,13 +425,16 @@ inline int32_t Load32(const void* p) {
 }
 
 // Decode tiles (few activation rows) are bound by reading the weights: each super-block asks for the
-// bytes 4 KiB ahead (the next super-blocks of the panel, then the next panel, which follows it). The hardware
-// prefetcher alone left 2-thread GEMVs at 54 (Q6_K) to 82 (Q4_K) GB/s where this reads 76-90, and a
-// decoded token's experts (short streams of 0.15-0.3 MB per thread) gain 10-25% (measured on a Zen 5 EPYC).
+// bytes 8 KiB ahead (the next super-blocks of the panel, then the next panel, which follows it), into L2.
+// The hardware prefetcher alone left 2-thread GEMVs at 54 (Q6_K) to 82 (Q4_K) GB/s where asking 4 KiB ahead
+// read 76-90, and a decoded token's experts (short streams of 0.15-0.3 MB per thread) gained 10-25% (Zen 5
+// EPYC). Into L1 (T0) the asks took the L1 miss buffers the tile's own loads wait on: on a Zen 4 EPYC a
+// cold Q6_K GEMV read 14-15 GB/s that way and 27-28 into L2 (T1), and MoE Q4_K_M decode rose ~25%; on the
+// Zen 5, T1 and T0 at 4-16 KiB were within 5% of each other (docs/performance.md).
 template <size_t kBytes>
 inline void PrefetchAhead(const uint8_t* d) {
-  constexpr size_t kAhead = 4096;
-  for (size_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(d + kAhead + o), _MM_HINT_T0);
+  constexpr size_t kAhead = 8192;
+  for (size_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(d + kAhead + o), _MM_HINT_T1);
 }
 
 // Block b of a PanelRows group of R rows: values, scales, block and half-block sums of row r.
