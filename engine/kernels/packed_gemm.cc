@@ -164,9 +164,9 @@ QKV_AVX512 void Tile512(const float* __restrict x, int ldx, const W* __restrict 
 }
 
 // Decode tiles of the bf16 form ask for each panel's line kDotAhead bytes on, into L2 (T1): on a Zen 4 EPYC
-// (2 vCPUs) bf16 decode then read at 91-98% of qkv-bench's roofline against 86-92% without, dense and MoE,
-// six alternated pairs each (docs/performance.md, 2026-12-06). Into L1 (T0) the same asking measured 2-6%
-// slower on a Zen 5 (the other AVX-512 tiles still do without).
+// (2 vCPUs) bf16 decode then ran at a median 94% of qkv-bench's roofline against 88% without (dense) and 92%
+// against 86% (MoE), six alternated pairs each (docs/performance.md, 2026-12-06). Into L1 (T0) the same
+// asking measured 2-6% slower on a Zen 5; T1 there is not measured yet.
 constexpr size_t kDotAhead = 1024;
 
 // The bf16 form (packed_gemm.h): MR rows × NP panels; x holds each row's bf16 values (K even, rows ldx
