@@ -100,8 +100,9 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), m->weights_summary(),
                m->weight_bytes_ / 1e6, opt.n_threads);
-  spdlog::info("gemm: cpu isa {} (own kernels {}); compute dtype {}; {}", GemmRuntime::CpuIsa(),
-               KernelIsaName(ActiveKernelIsa()), DTypeName(m->compute_dtype()), m->rt_->Summary());
+  spdlog::info("gemm: cpu isa {} (own kernels {}, kv prefetch into {}); compute dtype {}; {}", GemmRuntime::CpuIsa(),
+               KernelIsaName(ActiveKernelIsa()), KvPrefetchL2() ? "l2" : "l1", DTypeName(m->compute_dtype()),
+               m->rt_->Summary());
   for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
   if (const WeightsArena& a = *m->rt_->weights_arena(); a.used_bytes() > 0) {
     spdlog::info("weights arena: {:.1f} MB of weights in {:.1f} MB of regions, {} (transparent huge pages: {})",

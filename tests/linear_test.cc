@@ -103,6 +103,32 @@ TEST(Linear, PackedRowsAreIndependentOfM) {
   }
 }
 
+// QKV_KV_PREFETCH picks where decode attention's K/V asks go (kernels/cpu.h); any other value refuses the
+// model's first Linear with a message naming the variable, as QKV_MAX_ISA does.
+TEST(Linear, KvPrefetchEnvIsValidated) {
+  {
+    ScopedEnv env("QKV_KV_PREFETCH", "l2");
+    auto v = KvPrefetchL2FromEnv();
+    ASSERT_TRUE(v.ok());
+    EXPECT_TRUE(*v);
+  }
+  {
+    ScopedEnv env("QKV_KV_PREFETCH", "l1");
+    auto v = KvPrefetchL2FromEnv();
+    ASSERT_TRUE(v.ok());
+    EXPECT_FALSE(*v);
+  }
+  EXPECT_TRUE(KvPrefetchL2FromEnv().ok());  // unset: the CPU's choice
+  ScopedEnv env("QKV_KV_PREFETCH", "L3");
+  EXPECT_EQ(KvPrefetchL2FromEnv().status().code(), StatusCode::kInvalidArgument);
+  GemmRuntime rt(1);
+  std::vector<float> w(16 * 16, 0.5f);
+  auto lin = Linear::Create(rt, w.data(), nullptr, 16, 16, DType::kF32);
+  ASSERT_FALSE(lin.ok());
+  EXPECT_NE(lin.status().message().find("QKV_KV_PREFETCH must be l1 or l2, got 'L3'"), std::string::npos)
+      << lin.status().message();
+}
+
 TEST(Linear, PackedBackendIsUsedWhenForced) {
   ScopedEnv env("QKV_GEMM", "packed");
   GemmRuntime rt(2);

@@ -46,6 +46,7 @@ expect_error "not a token id" "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1,x 
 expect_error "exceeds the context" "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1,2 -n 500
 expect_error "weights-dtype" "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1 --weights-dtype f16
 expect_error "QKV_MAX_ISA must be avx2, avx512, avx512_vnni, avx512_bf16 or amx, got 'sse2'" env QKV_MAX_ISA=sse2 "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1 -n 1
+expect_error "QKV_KV_PREFETCH must be l1 or l2, got 'l3'" env QKV_KV_PREFETCH=l3 "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1 -n 1
 expect_error "cannot open" "$bin/qkv-run" --model "$tmp/none.gguf" --tokens 1
 head -c 1000 "$tmp/m.gguf" > "$tmp/trunc.gguf"
 expect_error "DATA_LOSS" "$bin/qkv-run" --model "$tmp/trunc.gguf" --tokens 1

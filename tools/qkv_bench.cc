@@ -184,9 +184,9 @@ int main(int argc, char** argv) {
   std::printf("weights %s, kv %s, threads %d; load %.2f s; weight bytes %.1f MB (read per decoded token %.1f MB)\n",
               weights_dtype.c_str(), kv_dtype.c_str(), threads, load_s, m.weight_bytes() / 1e6,
               m.weight_bytes_per_token() / 1e6);
-  std::printf("gemm: cpu isa %s (own kernels %s); compute dtype %s; %s\n", qkv::GemmRuntime::CpuIsa().c_str(),
-              qkv::KernelIsaName(qkv::ActiveKernelIsa()), qkv::DTypeName(m.compute_dtype()),
-              m.gemm().Summary().c_str());
+  std::printf("gemm: cpu isa %s (own kernels %s, kv prefetch into %s); compute dtype %s; %s\n",
+              qkv::GemmRuntime::CpuIsa().c_str(), qkv::KernelIsaName(qkv::ActiveKernelIsa()),
+              qkv::KvPrefetchL2() ? "l2" : "l1", qkv::DTypeName(m.compute_dtype()), m.gemm().Summary().c_str());
   std::printf("one-token steps: %s\n", m.team_step() ? "one parallel region per step" : "a region per layer phase");
   for (const auto& k : m.gemm().KernelLog()) {
     if (k.rfind("M=1 ", 0) == 0 || k.rfind("M=128 ", 0) == 0) std::printf("  kernel %s\n", k.c_str());

@@ -126,9 +126,9 @@ int main(int argc, char** argv) {
   }
   std::printf("model: %s, %d threads, %lld KV blocks of 16\n", (*m)->config().Summary().c_str(), threads,
               static_cast<long long>(mo.kv_blocks));
-  std::printf("gemm: cpu isa %s (own kernels %s); compute dtype %s; %s\n", qkv::GemmRuntime::CpuIsa().c_str(),
-              qkv::KernelIsaName(qkv::ActiveKernelIsa()), qkv::DTypeName((*m)->compute_dtype()),
-              (*m)->gemm().Summary().c_str());
+  std::printf("gemm: cpu isa %s (own kernels %s, kv prefetch into %s); compute dtype %s; %s\n",
+              qkv::GemmRuntime::CpuIsa().c_str(), qkv::KernelIsaName(qkv::ActiveKernelIsa()),
+              qkv::KvPrefetchL2() ? "l2" : "l1", qkv::DTypeName((*m)->compute_dtype()), (*m)->gemm().Summary().c_str());
   std::printf("one-token steps: %s\n", (*m)->team_step() ? "one parallel region per step" : "a region per layer phase");
   qkv::EngineOptions eo;
   eo.max_num_batched_tokens = 512;

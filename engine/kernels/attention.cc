@@ -66,6 +66,16 @@ void StoreKvElement(uint8_t* dst, size_t index, float v, DType dt) {
 
 namespace {
 
+// The K/V asks of decode attention: into L2 or L1, as the core prefers (KvPrefetchL2, cpu.h).
+const bool kKvPrefetchL2 = KvPrefetchL2();
+inline void PrefetchKv(const char* p) {
+  if (kKvPrefetchL2) {
+    _mm_prefetch(p, _MM_HINT_T1);
+  } else {
+    _mm_prefetch(p, _MM_HINT_T0);
+  }
+}
+
 using kernels::I8x8ToF32;
 using kernels::LoadI8x16;
 using kernels::LoadI8x8;
@@ -217,7 +227,7 @@ struct LoadRow8Pf {
   const uint8_t* pf;
   __m256 operator()(size_t i) const {
     constexpr size_t kEl = BF16 ? 2 : 4;
-    if ((i * kEl) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kEl), _MM_HINT_T0);
+    if ((i * kEl) % 64 == 0) PrefetchKv(reinterpret_cast<const char*>(pf + i * kEl));
     return in(i);
   }
 };
@@ -259,7 +269,7 @@ struct Avx2Kernels {
     constexpr size_t kRow = BF16 ? 32 : 64;  // bytes of one dim's 16 keys
     for (int d = 0; d < hd; ++d) {
       if (pf != nullptr && (d * kRow) % 64 == 0)
-        for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(pf[b] + d * kRow), _MM_HINT_T0);
+        for (int b = 0; b < NB; ++b) PrefetchKv(reinterpret_cast<const char*>(pf[b] + d * kRow));
       __m256 k[NB][2];
       for (int b = 0; b < NB; ++b) {
         k[b][0] = LoadRow8<BF16>{kt[b]}(static_cast<size_t>(d) * 16);
@@ -365,7 +375,7 @@ struct LoadRow16Pf {
   const uint8_t* pf;
   QKV_AVX512 __m512 operator()(size_t i) const {
     constexpr size_t kEl = BF16 ? 2 : 4;
-    if ((i * kEl) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kEl), _MM_HINT_T0);
+    if ((i * kEl) % 64 == 0) PrefetchKv(reinterpret_cast<const char*>(pf + i * kEl));
     return in(i);
   }
 };
@@ -443,7 +453,7 @@ struct Avx512Kernels {
     constexpr size_t kRow = BF16 ? 32 : 64;
     for (int d = 0; d < hd; ++d) {
       if (pf != nullptr && (d * kRow) % 64 == 0)
-        for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(pf[b] + d * kRow), _MM_HINT_T0);
+        for (int b = 0; b < NB; ++b) PrefetchKv(reinterpret_cast<const char*>(pf[b] + d * kRow));
       __m512 k[NB];
       for (int b = 0; b < NB; ++b) k[b] = LoadRow16<BF16>{kt[b]}(static_cast<size_t>(d) * 16);
       for (int h = 0; h < NH; ++h) {
@@ -546,7 +556,7 @@ namespace {
 // on the loads. Each block's K (pass 1) and V (pass 2) are asked for kKvAhead blocks before they are used.
 constexpr int kKvAhead = 2;
 inline void PrefetchBytes(const uint8_t* p, size_t n) {
-  for (size_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  for (size_t o = 0; o < n; o += 64) PrefetchKv(reinterpret_cast<const char*>(p + o));
 }
 
 // The group's heads go through the kernels in chunks of up to kChunk, by pointers: Set(c0, b) points at heads

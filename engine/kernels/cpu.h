@@ -43,4 +43,13 @@ KernelIsa ActiveKernelIsa();
 // Test hook: sets the level for this process, at most the CPU's (tests/test_util.h restores it).
 void SetKernelIsaForTesting(KernelIsa isa);
 
+// Whether decode attention asks for its K/V lines into L2 (prefetcht1) rather than L1 (prefetcht0). Which is
+// faster depends on the core (docs/performance.md, "Decode prefetch into L2 on a Zen 4"): L2 on AMD Zen 4
+// (family 0x19 with AVX-512), where L1 asks filled the miss buffers the loads wait on; L1 elsewhere (measured on
+// Zen 5). QKV_KV_PREFETCH=l1|l2 overrides; KvPrefetchL2FromEnv fails on any other value. The bits never depend
+// on it (a prefetch computes nothing).
+StatusOr<bool> KvPrefetchL2FromEnv();
+// The choice in use (an invalid QKV_KV_PREFETCH counts as unset here).
+bool KvPrefetchL2();
+
 }  // namespace qkv

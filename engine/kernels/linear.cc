@@ -174,6 +174,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
   if (n <= 0 || k <= 0) return InvalidArgument("linear: empty shape");
   QKV_ASSIGN_OR_RETURN(std::optional<GemmBackend> forced, GemmBackendFromEnv());
   QKV_RETURN_IF_ERROR(KernelIsaFromEnv().status());
+  QKV_RETURN_IF_ERROR(KvPrefetchL2FromEnv().status());
   auto lin = std::unique_ptr<Linear>(new Linear());
   lin->rt_ = &rt;
   lin->n_ = n;
@@ -249,6 +250,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::CreateQuantized(GemmRuntime& rt, std::
     return InvalidArgument("linear: quantized weights must be rows of whole blocks of a quantized type");
   }
   QKV_RETURN_IF_ERROR(KernelIsaFromEnv().status());
+  QKV_RETURN_IF_ERROR(KvPrefetchL2FromEnv().status());
   auto lin = std::unique_ptr<Linear>(new Linear());
   lin->rt_ = &rt;
   lin->n_ = w->n();
