@@ -92,14 +92,16 @@ StatusOr<bool> KvPrefetchL2FromEnv() {
   if (s == "l1") return false;
   if (s == "l2") return true;
   if (!s.empty()) return InvalidArgument("QKV_KV_PREFETCH must be l1 or l2, got '" + s + "'");
-  // AMD family 0x19 (Zen 3 and Zen 4) with AVX-512: Zen 4.
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-  const unsigned family = ((a >> 8) & 0xF) + ((a >> 20) & 0xFF);
-  __builtin_cpu_init();
-  return family == 0x19 && __builtin_cpu_supports("avx512f");
+  // Read once: every Linear validates the variable, and cpuid traps to the hypervisor on a VM.
+  static const bool zen4 = [] {
+    // AMD family 0x19 (Zen 3 and Zen 4) with AVX-512: Zen 4.
+    __builtin_cpu_init();
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+    const unsigned family = ((a >> 8) & 0xF) + ((a >> 20) & 0xFF);
+    return family == 0x19 && __builtin_cpu_supports("avx512f");
+  }();
+  return zen4;
 }
 
 bool KvPrefetchL2() {
