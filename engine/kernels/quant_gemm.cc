@@ -576,6 +576,7 @@ QuantWeights::QuantWeights(const std::vector<Part>& parts, int k, const float* b
     if (HasPanelKernel(p.type) && k % GgmlBlockSize(p.type) == 0 && p.rows >= kPanelRows) {
       const int np = p.rows / kPanelRows;
       runs_.push_back({p.type, n_, n_ + np * kPanelRows, kPanelRows, off, rb * kPanelRows, 0});
+      panel_minimum_ = panel_minimum_ || PanelHasMinimum(p.type);
       for (; r + kPanelRows <= p.rows; r += kPanelRows) {
         RepackPanel(p.type, p.data + rb * r, rb, k, data_.data() + off);
         off += rb * kPanelRows;
@@ -674,7 +675,7 @@ void QuantWeights::Compute(const QuantizedRowSet& a, int c0, int c1, float* y, s
     const GgmlType t = run.type;
     if (run.stride == 0) {  // a panel
       first = run.first + (c - run.first) / run.unit * run.unit;
-      if (!is_packed) packed.Pack(a, vnni ? 8 : 4), is_packed = true;
+      if (!is_packed) packed.Pack(a, vnni ? 8 : 4, panel_minimum_), is_packed = true;
       if (first == c && c + kPanelRows <= c1 && bias_.empty()) {  // a whole panel: straight into y
         PanelDot(vnni, t, data_.data() + OffsetIn(run, c), k_, packed, y + c, static_cast<int>(ldy));
         c += kPanelRows;

@@ -139,6 +139,7 @@ class QuantWeights {
   }
   int n_ = 0, k_ = 0;
   bool whole_blocks_ = true;
+  bool panel_minimum_ = false;  // a panel run's type has a minimum (its tiles read PanelRows' scaled sums)
   // Every byte is written by the constructor (rows copied, panels repacked), so the buffer is not zeroed
   // first: that memset was 19% of loading the MoE benchmark file.
   WeightsBuffer data_;

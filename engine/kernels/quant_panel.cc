@@ -455,8 +455,9 @@ inline void PrefetchAhead(const uint8_t* d) {
   for (size_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(d + kAhead + o), _MM_HINT_T1);
 }
 
-// Bytes of a row and 32-block in PanelRows (quant_panel.h).
-constexpr int kRowBlock = 64;
+// Bytes of a row and 32-block in PanelRows (quant_panel.h): its values, scale and sums, then apart from them
+// its scaled sums.
+constexpr int kRowBlock = 48, kScaledBlock = 12;
 
 inline float LoadF(const uint8_t* p) {
   float v;
@@ -464,24 +465,26 @@ inline float LoadF(const uint8_t* p) {
   return v;
 }
 
-// Block b of a PanelRows group of R rows: values, scales, block and half-block sums of row r, and those sums
-// times the scale (float(Σ a) × a_scale, the minimum's factor).
+// Block b of a PanelRows group of R rows: values, scales, block and half-block sums of row r (at p), and those
+// sums times the scale (float(Σ a) × a_scale, the minimum's factor; at s).
 template <int R>
 struct PackedBlock {
   const uint8_t* p;
+  const uint8_t* s;
   int32_t Quad(int r, int t) const { return Load32(p + 32 * r + 4 * t); }
   float Scale(int r) const { return LoadF(p + 32 * R + 4 * r); }
   int32_t Sum32(int r) const { return Load32(p + 36 * R + 4 * r); }
   int32_t Sum16(int r, int half) const { return Load32(p + 40 * R + 8 * r + 4 * half); }
-  float ScaledSum32(int r) const { return LoadF(p + 48 * R + 4 * r); }
-  float ScaledSum16(int r, int half) const { return LoadF(p + 52 * R + 8 * r + 4 * half); }
+  float ScaledSum32(int r) const { return LoadF(s + 4 * r); }
+  float ScaledSum16(int r, int half) const { return LoadF(s + 4 * R + 8 * r + 4 * half); }
 };
 
 // ---- AVX-512 VNNI: a group of R activation rows (PanelRows) against a panel. Per sub-block (or half, for
 // kPer16) the int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs
 // as two chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
 template <class P, int R>
-QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, float* out, int ldo) {
+QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, const uint8_t* scaled, float* out,
+                             int ldo) {
   constexpr int G = P::kValues / 32;
   constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
   constexpr bool kTwo = R < 4 && !P::kPer16;
@@ -493,7 +496,8 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, f
     if constexpr (R <= 2) PrefetchAhead<PB>(d);
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
-      const PackedBlock<R> x{rows + static_cast<size_t>(sb * G + j) * kRowBlock * R};
+      const size_t blk = static_cast<size_t>(sb * G + j) * R;
+      const PackedBlock<R> x{rows + blk * kRowBlock, scaled + blk * kScaledBlock};
       if constexpr (P::kPer16) {
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
@@ -557,17 +561,18 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, f
 template <class P>
 QKV_AVX512_VNNI void Dot512(const uint8_t* panel, int k, const PanelRows& a, float* out, int ldo) {
   int r = 0;
-  for (; r + 8 <= a.m(); r += 8) Tile512<P, 8>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
-  if (r + 4 <= a.m()) Tile512<P, 4>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo), r += 4;
-  if (r + 2 <= a.m()) Tile512<P, 2>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo), r += 2;
-  if (r < a.m()) Tile512<P, 1>(panel, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
+  for (; r + 8 <= a.m(); r += 8)
+    Tile512<P, 8>(panel, k, a.group(r), a.scaled(r), out + static_cast<size_t>(r) * ldo, ldo);
+  if (r + 4 <= a.m()) Tile512<P, 4>(panel, k, a.group(r), a.scaled(r), out + static_cast<size_t>(r) * ldo, ldo), r += 4;
+  if (r + 2 <= a.m()) Tile512<P, 2>(panel, k, a.group(r), a.scaled(r), out + static_cast<size_t>(r) * ldo, ldo), r += 2;
+  if (r < a.m()) Tile512<P, 1>(panel, k, a.group(r), a.scaled(r), out + static_cast<size_t>(r) * ldo, ldo);
 }
 
 // ---- AVX2: a group of R activation rows against halves [h0, h0 + H) of a panel, the same int32 sums through
 // maddubs + madd (unsigned w + kBias, or |w| against a × sign(w) for the signed formats: no saturation,
 // since |a| ≤ 127) and the same float operations.
 template <class P, int R, int H>
-void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, float* out, int ldo) {
+void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, const uint8_t* scaled, float* out, int ldo) {
   constexpr int G = P::kValues / 32;
   constexpr size_t PB = static_cast<size_t>(kPanelRows) * P::kBlockBytes;
   constexpr int kBias = P::kSigned2 ? 0 : P::kBias;
@@ -580,7 +585,8 @@ void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, float* ou
     if constexpr (R == 1) PrefetchAhead<PB>(d);
 #pragma GCC unroll 1
     for (int j = 0; j < G; ++j) {
-      const PackedBlock<R> x{rows + static_cast<size_t>(sb * G + j) * kRowBlock * R};
+      const size_t blk = static_cast<size_t>(sb * G + j) * R;
+      const PackedBlock<R> x{rows + blk * kRowBlock, scaled + blk * kScaledBlock};
       constexpr int kParts = P::kPer16 ? 2 : 1;  // integer sums per sub-block
 #pragma GCC unroll 2
       for (int part = 0; part < kParts; ++part) {
@@ -638,12 +644,14 @@ template <class P>
 void Dot256(const uint8_t* panel, int k, const PanelRows& a, float* out, int ldo) {
   int r = 0;
   for (; r + 4 <= a.m(); r += 4)
-    for (int h = 0; h < 2; ++h) Tile256<P, 4, 1>(panel, h, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
+    for (int h = 0; h < 2; ++h)
+      Tile256<P, 4, 1>(panel, h, k, a.group(r), a.scaled(r), out + static_cast<size_t>(r) * ldo, ldo);
   if (r + 2 <= a.m()) {
-    for (int h = 0; h < 2; ++h) Tile256<P, 2, 1>(panel, h, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
+    for (int h = 0; h < 2; ++h)
+      Tile256<P, 2, 1>(panel, h, k, a.group(r), a.scaled(r), out + static_cast<size_t>(r) * ldo, ldo);
     r += 2;
   }
-  if (r < a.m()) Tile256<P, 1, 2>(panel, 0, k, a.group(r), out + static_cast<size_t>(r) * ldo, ldo);
+  if (r < a.m()) Tile256<P, 1, 2>(panel, 0, k, a.group(r), a.scaled(r), out + static_cast<size_t>(r) * ldo, ldo);
 }
 
 // Calls f with the format of t (a value of its struct); false when t has no panel kernel.
@@ -670,6 +678,12 @@ bool WithFormat(GgmlType t, F&& f) {
 
 bool HasPanelKernel(GgmlType t) {
   return WithFormat(t, [](auto) {});
+}
+
+bool PanelHasMinimum(GgmlType t) {
+  bool off = false;
+  WithFormat(t, [&](auto p) { off = decltype(p)::kOff; });
+  return off;
 }
 
 void RepackPanel(GgmlType t, const uint8_t* src, size_t row_bytes, int k, uint8_t* dst) {
@@ -702,13 +716,15 @@ void PanelBlock(GgmlType t, const uint8_t* panel, int b, int c, uint8_t* dst) {
   });
 }
 
-void PanelRows::Pack(const QuantizedRowSet& a, int top) {
+void PanelRows::Pack(const QuantizedRowSet& a, int top, bool scaled) {
   const int k = a.src->k, nb = k / 32;
   m_ = a.m;
   row_bytes_ = static_cast<size_t>(nb) * kRowBlock;
-  data_.resize(static_cast<size_t>(m_) * row_bytes_);
+  scaled_row_bytes_ = scaled ? static_cast<size_t>(nb) * kScaledBlock : 0;
+  data_.resize(static_cast<size_t>(m_) * (row_bytes_ + scaled_row_bytes_));
   const auto pack = [&](int r0, int R) {
     uint8_t* g = data_.data() + static_cast<size_t>(r0) * row_bytes_;
+    uint8_t* gs = data_.data() + m_ * row_bytes_ + static_cast<size_t>(r0) * scaled_row_bytes_;
     for (int r = 0; r < R; ++r) {
       const size_t row = a.row(r0 + r);
       const int8_t* q = a.src->q.data() + row * k;
@@ -721,10 +737,13 @@ void PanelRows::Pack(const QuantizedRowSet& a, int top) {
         std::memcpy(x + 32 * R + 4 * r, s + b, 4);
         std::memcpy(x + 36 * R + 4 * r, s32 + b, 4);
         std::memcpy(x + 40 * R + 8 * r, s16 + 2 * b, 8);
-        const float scaled[3] = {static_cast<float>(s32[b]) * s[b], static_cast<float>(s16[2 * b]) * s[b],
-                                 static_cast<float>(s16[2 * b + 1]) * s[b]};
-        std::memcpy(x + 48 * R + 4 * r, &scaled[0], 4);
-        std::memcpy(x + 52 * R + 8 * r, &scaled[1], 8);
+        if (scaled) {
+          const float f[3] = {static_cast<float>(s32[b]) * s[b], static_cast<float>(s16[2 * b]) * s[b],
+                              static_cast<float>(s16[2 * b + 1]) * s[b]};
+          uint8_t* xs = gs + static_cast<size_t>(b) * kScaledBlock * R;
+          std::memcpy(xs + 4 * r, &f[0], 4);
+          std::memcpy(xs + 4 * R + 8 * r, &f[1], 8);
+        }
       }
     }
   };

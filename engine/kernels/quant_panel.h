@@ -27,30 +27,39 @@ inline constexpr int kPanelRows = 16;
 
 // The activation rows of a QuantizedRowSet laid out for the panel tiles, built once per GEMM call and read by
 // every panel: rows in groups of `top` (8 for the AVX-512 tiles, 4 for AVX2), then at most one group of each
-// smaller power of two (the tiles' heights), and per group of R rows and 32-block b, at b × 64R: the R rows'
-// 32 values (row r at 32r), their scales (float, at 32R + 4r), block sums (int32, at 36R + 4r), half-block
-// sums (int32, at 40R + 8r), and the block and half-block sums times the scale (float(Σ a) × a_scale, the
-// minimum's factor, at 48R + 4r and 52R + 8r; worked out once a row instead of in every panel: hot Q4_K
-// GEMV +3%, Zen 4); 4R bytes unused. A tile then finds everything from one
+// smaller power of two (the tiles' heights), and per group of R rows and 32-block b, at b × 48R: the R rows'
+// 32 values (row r at 32r), their scales (float, at 32R + 4r), block sums (int32, at 36R + 4r) and half-block
+// sums (int32, at 40R + 8r). After all rows, in the same order at b × 12R, the block and half-block sums times
+// the scale (float(Σ a) × a_scale at 4r and 4R + 8r): the minimum's factor, worked out once a row instead of
+// in every panel (hot Q4_K GEMV +3%, Zen 4), and apart so that the types without a minimum do not read it
+// (interleaved it cost Q6_K and Q8_0 tiles 2% at M = 64; packed only for panels of those types). A tile then
+// finds everything from one
 // pointer at fixed offsets; with a pointer per row and per array (32 for 8 rows) the 8-row tile spilled
 // them and spent a quarter of its time on address and bias arithmetic (Q4_0, 16 rows, Zen 5). The values
 // are the QuantizedRows' own: the same bits as reading them there.
 class PanelRows {
  public:
-  void Pack(const QuantizedRowSet& a, int top);
+  // The scaled sums only where `scaled` (PanelHasMinimum of a type the panels have).
+  void Pack(const QuantizedRowSet& a, int top, bool scaled);
   int m() const { return m_; }
   size_t bytes() const { return data_.capacity(); }
   // The group that starts at row r0 (a multiple of the heights before it, as PanelDot walks them).
   const uint8_t* group(int r0) const { return data_.data() + static_cast<size_t>(r0) * row_bytes_; }
+  // Its scaled sums.
+  const uint8_t* scaled(int r0) const {
+    return data_.data() + static_cast<size_t>(m_) * row_bytes_ + static_cast<size_t>(r0) * scaled_row_bytes_;
+  }
 
  private:
   int m_ = 0;
-  size_t row_bytes_ = 0;
+  size_t row_bytes_ = 0, scaled_row_bytes_ = 0;
   std::vector<uint8_t> data_;
 };
 
 // Whether rows of type t can be kept as panels.
 bool HasPanelKernel(GgmlType t);
+// Whether its panel tiles subtract a minimum (read PanelRows' scaled sums): Q4_1, Q5_1, Q2_K, Q4_K, Q5_K.
+bool PanelHasMinimum(GgmlType t);
 // Repacks kPanelRows rows of k values (row r at src + r × row_bytes) into dst (kPanelRows × row_bytes bytes).
 void RepackPanel(GgmlType t, const uint8_t* src, size_t row_bytes, int k, uint8_t* dst);
 // The file's bytes of block b of row c of a panel (GgmlBlockBytes(t) bytes to dst).
