@@ -33,10 +33,9 @@ inline constexpr int kPanelRows = 16;
 // the scale (float(Σ a) × a_scale at 4r and 4R + 8r): the minimum's factor, worked out once a row instead of
 // in every panel (hot Q4_K GEMV +3%, Zen 4), and apart so that the types without a minimum do not read it
 // (interleaved it cost Q6_K and Q8_0 tiles 2% at M = 64; packed only for panels of those types). A tile then
-// finds everything from one
-// pointer at fixed offsets; with a pointer per row and per array (32 for 8 rows) the 8-row tile spilled
-// them and spent a quarter of its time on address and bias arithmetic (Q4_0, 16 rows, Zen 5). The values
-// are the QuantizedRows' own: the same bits as reading them there.
+// finds everything from two pointers at fixed offsets; with a pointer per row and per array (32 for 8 rows)
+// the 8-row tile spilled them and spent a quarter of its time on address and bias arithmetic (Q4_0, 16 rows,
+// Zen 5). The values are the QuantizedRows' own: the same bits as reading them there.
 class PanelRows {
  public:
   // The scaled sums only where `scaled` (PanelHasMinimum of a type the panels have).
