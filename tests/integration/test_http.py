@@ -300,10 +300,10 @@ class HttpErrorCodesTest(unittest.TestCase):
 
     def test_disconnect_mid_stream_frees_blocks(self):
         # Step 12 stalls for 6 s: the client reads two events and goes away while the request still runs, with
-        # ~138 of its 150 tokens to go. (With the stall at step 6 and three events awaited, a sampled run whose
-        # first tokens were held back as incomplete text reached the third event only after the stall, and its
-        # remaining tokens ran out before a write could fail: "length", not "cancelled", once in CI on
-        # 2026-12-07. 2 s of stall was once not enough either, with the Docker build beside it.)
+        # ~138 of its 150 tokens to go. (With the stall at step 6 and three events awaited, the request once ended
+        # "length", not "cancelled", in CI (2026-12-07): most likely the third event came only after the stall
+        # (a sampled run's first tokens can be held back as incomplete UTF-8), and the remaining tokens ran out
+        # before a write could fail. 2 s of stall was once not enough either, with the Docker build beside it.)
         s = Server("--threads", "1", env={"QKV_FAULT_INJECT": "stall_on_step=12:6"})
         try:
             host, port = s.http_addr.rsplit(":", 1)
