@@ -109,6 +109,7 @@ struct ScaleMin32 : Scale32 {
 template <int kBytes, int kBias_, int kFileQh, int kFileQs, int kMask, int kQuant, class S>
 struct Block32 : S {
   static constexpr int kValues = 32, kBlockBytes = kBytes, kBias = kBias_, kMaxU = kMask != 0 ? 31 : 15;
+  static constexpr int kPrefetchStep = 256;  // see PrefetchAhead
   static constexpr bool kSigned2 = false, kPer16 = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -159,7 +160,7 @@ struct Q8_0P : Q4_0P {
   static __m256i W256(const uint8_t* d, int, int t, int h) { return Row256(d + 32 + 64 * t, h); }
 };
 struct Q4_KP {
-  static constexpr int kValues = 256, kBlockBytes = 144, kBias = 0, kMaxU = 15;
+  static constexpr int kValues = 256, kBlockBytes = 144, kBias = 0, kMaxU = 15, kPrefetchStep = 256;
   static constexpr bool kSigned2 = false, kPer16 = false, kOff = true;
   template <class F>
   static void Chunks(int c, F f) {
@@ -227,7 +228,7 @@ struct Q4_KP {
   }
 };
 struct Q5_KP : Q4_KP {
-  static constexpr int kBlockBytes = 176, kMaxU = 31;
+  static constexpr int kBlockBytes = 176, kMaxU = 31, kPrefetchStep = 64;
   template <class F>
   static void Chunks(int c, F f) {
     f(0, 2 * c, 2);
@@ -256,7 +257,7 @@ struct Q5_KP : Q4_KP {
   }
 };
 struct Q6_KP {
-  static constexpr int kValues = 256, kBlockBytes = 210, kBias = 32, kMaxU = 63;
+  static constexpr int kValues = 256, kBlockBytes = 210, kBias = 32, kMaxU = 63, kPrefetchStep = 64;
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -297,7 +298,7 @@ struct Q6_KP {
   static __m256 Off256(const uint8_t*, int, int, int) { return _mm256_setzero_ps(); }
 };
 struct Iq4XsP {
-  static constexpr int kValues = 256, kBlockBytes = 136, kBias = 128, kMaxU = 127;
+  static constexpr int kValues = 256, kBlockBytes = 136, kBias = 128, kMaxU = 127, kPrefetchStep = 256;
   static constexpr bool kSigned2 = true, kPer16 = false, kOff = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -340,7 +341,7 @@ struct Iq4XsP {
 
 // Q2_K and Q3_K: 2-bit values per 16 with their own scale (Q2_K also a minimum per 16).
 struct Q2_KP {
-  static constexpr int kValues = 256, kBlockBytes = 84, kBias = 0, kMaxU = 3;
+  static constexpr int kValues = 256, kBlockBytes = 84, kBias = 0, kMaxU = 3, kPrefetchStep = 64;
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = true;
   template <class F>
   static void Chunks(int c, F f) {
@@ -389,7 +390,7 @@ struct Q2_KP {
 // Q3_K: value = lo − 4 + 4 × (hmask bit), so unsigned lo + 4 × bit with kBias 4; the 6-bit signed scales of
 // ScaleK3 (quant.cc) decoded for 16 rows at once from 3 rows of dwords.
 struct Q3_KP {
-  static constexpr int kValues = 256, kBlockBytes = 110, kBias = 4, kMaxU = 7;
+  static constexpr int kValues = 256, kBlockBytes = 110, kBias = 4, kMaxU = 7, kPrefetchStep = 64;
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
   template <class F>
   static void Chunks(int c, F f) {
@@ -449,10 +450,18 @@ inline int32_t Load32(const void* p) {
 // EPYC). Into L1 (T0) the asks took the L1 miss buffers the tile's own loads wait on: on a Zen 4 EPYC a
 // cold Q6_K GEMV read 14-15 GB/s that way and 27-28 into L2 (T1), and MoE Q4_K_M decode rose ~25%; on the
 // Zen 5, T1 and T0 at 4-16 KiB were within 5% of each other (docs/performance.md).
-template <size_t kBytes>
+//
+// One ask per line is what the types that read their panel block out of order need (Q6_K, Q5_K, Q3_K, Q2_K:
+// qh or mask rows apart from the quant rows, revisited per sub-block; without the asks a cold Q6_K GEMV read
+// 0.45 of a stream on the Zen 4, with them 0.84). The types that read their blocks front to back (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, Q4_K) are followed by the hardware prefetcher, and an ask per line only
+// took its place: on the Zen 4, a cold 2-thread GEMV read 0.91 of a stream read beside it with an ask per
+// line and 1.00-1.03 with one every fourth line, and in that CPU's high-bandwidth state (~58 GB/s) 0.72
+// against 0.94-1.01 (docs/performance.md). kStep is the format's kPrefetchStep.
+template <size_t kBytes, size_t kStep>
 inline void PrefetchAhead(const uint8_t* d) {
   constexpr size_t kAhead = 8192;
-  for (size_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(d + kAhead + o), _MM_HINT_T1);
+  for (size_t o = 0; o < kBytes; o += kStep) _mm_prefetch(reinterpret_cast<const char*>(d + kAhead + o), _MM_HINT_T1);
 }
 
 // Bytes of a row and 32-block in PanelRows (quant_panel.h): its values, scale and sums, then apart from them
@@ -493,7 +502,7 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, c
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
-    if constexpr (R <= 2) PrefetchAhead<PB>(d);
+    if constexpr (R <= 2) PrefetchAhead<PB, P::kPrefetchStep>(d);
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
       const size_t blk = static_cast<size_t>(sb * G + j) * R;
@@ -582,7 +591,7 @@ void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, const uin
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
-    if constexpr (R == 1) PrefetchAhead<PB>(d);
+    if constexpr (R == 1) PrefetchAhead<PB, P::kPrefetchStep>(d);
 #pragma GCC unroll 1
     for (int j = 0; j < G; ++j) {
       const size_t blk = static_cast<size_t>(sb * G + j) * R;
