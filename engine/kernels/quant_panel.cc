@@ -82,8 +82,10 @@ inline __m256 Byte256(__m256i v, int i) {
 //   Q4_K          d @0; dmin @32; the 12 scale bytes as 3 rows of dwords @64; qs: per pair p of sub-blocks
 //                 8 rows @256 + 512p (low nibbles sub-block 2p, high 2p + 1)
 //   Q5_K          as Q4_K, then masks by (sub-block, quad) @2304 (64 × 8 bytes)
-//   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; ql: per (half h, s & 1) 8 rows
-//                 @288 + 512 (2h + s & 1) (low nibbles s < 2, high s ≥ 2); qh: per half 8 rows @2336 + 512h
+//   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; per half h (sub-blocks 4h + s, s < 4)
+//                 @288 + 1536h: the 8 ql rows of s & 1 = 0 and the half's 8 qh rows in turn (ql row t @128t,
+//                 qh row t @128t + 64), then the 8 ql rows of s & 1 = 1 @1024 (low nibbles s < 2, high s ≥ 2):
+//                 the order in which the tile first reads them, so that the hardware prefetcher follows it
 //   IQ4_XS        d @0; scales_h[16] u16 @32; scales_l as a row of dwords @64; per sub-block 4 rows @128 + 256j
 // The per-32 scale (d, f16 at 0 in the panel block), with no offset or with a minimum m (f16 at 32, value =
 // d × q + m, so the offset is −m).
@@ -257,31 +259,35 @@ struct Q5_KP : Q4_KP {
   }
 };
 struct Q6_KP {
-  static constexpr int kValues = 256, kBlockBytes = 210, kBias = 32, kMaxU = 63, kPrefetchStep = 64;
+  static constexpr int kValues = 256, kBlockBytes = 210, kBias = 32, kMaxU = 63;
+  static constexpr int kPrefetchStep = kPanelRows * kBlockBytes;  // one ask a panel block (see PrefetchAhead)
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
+  // Panel offsets of ql row t of half h and s & 1 = s1, and of qh row t of half h (the layout above).
+  static constexpr int Ql(int h, int s1, int t) { return 288 + 1536 * h + (s1 ? 1024 + 64 * t : 128 * t); }
+  static constexpr int Qh(int h, int t) { return 288 + 1536 * h + 128 * t + 64; }
   template <class F>
   static void Chunks(int c, F f) {
     f(208, 2 * c, 2);
     for (int g = 0; g < 16; ++g) f(192 + g, 32 + 16 * g + c, 1);
     for (int h = 0; h < 2; ++h) {
       for (int s = 0; s < 2; ++s)
-        for (int t = 0; t < 8; ++t) f(64 * h + 32 * s + 4 * t, 288 + 512 * (2 * h + s) + 64 * t + 4 * c, 4);
-      for (int t = 0; t < 8; ++t) f(128 + 32 * h + 4 * t, 2336 + 512 * h + 64 * t + 4 * c, 4);
+        for (int t = 0; t < 8; ++t) f(64 * h + 32 * s + 4 * t, Ql(h, s, t) + 4 * c, 4);
+      for (int t = 0; t < 8; ++t) f(128 + 32 * h + 4 * t, Qh(h, t) + 4 * c, 4);
     }
   }
   template <class F>
   static void Masks(int, F) {}
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
     const int h = j / 4, s = j % 4;
-    const __m512i l = Row512(d + 288 + 512 * (2 * h + (s & 1)) + 64 * t);
-    const __m512i qh = Row512(d + 2336 + 512 * h + 64 * t);
+    const __m512i l = Row512(d + Ql(h, s & 1, t));
+    const __m512i qh = Row512(d + Qh(h, t));
     const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * s)), _mm512_set1_epi8(3));
     return _mm512_or_si512(s >> 1 ? Hi4x64(l) : Lo4x64(l), _mm512_slli_epi16(hi, 4));
   }
   static __m256i W256(const uint8_t* d, int j, int t, int h) {
     const int hh = j / 4, s = j % 4;
-    const __m256i l = Row256(d + 288 + 512 * (2 * hh + (s & 1)) + 64 * t, h);
-    const __m256i qh = Row256(d + 2336 + 512 * hh + 64 * t, h);
+    const __m256i l = Row256(d + Ql(hh, s & 1, t), h);
+    const __m256i qh = Row256(d + Qh(hh, t), h);
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
     return _mm256_or_si256(s >> 1 ? Hi4x32(l) : Lo4x32(l), _mm256_slli_epi16(hi, 4));
   }
