@@ -81,7 +81,8 @@ inline __m256 Byte256(__m256i v, int i) {
 //   Q5_1          d @0; m @32; masks @64; 4 quant rows @128
 //   Q4_K          d @0; dmin @32; the 12 scale bytes as 3 rows of dwords @64; qs: per pair p of sub-blocks
 //                 8 rows @256 + 512p (low nibbles sub-block 2p, high 2p + 1)
-//   Q5_K          as Q4_K, then masks by (sub-block, quad) @2304 (64 × 8 bytes)
+//   Q5_K          as Q4_K up to 256; then per pair p of sub-blocks @256 + 640p: the masks of sub-block 2p by
+//                 quad (8 × 8 bytes), the pair's 8 qs rows @64, the masks of 2p + 1 @576 (first-read order)
 //   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; per half h (sub-blocks 4h + s, s < 4)
 //                 @288 + 1536h: the 8 ql rows of s & 1 = 0 and the half's 8 qh rows in turn (ql row t @128t,
 //                 qh row t @128t + 64), then the 8 ql rows of s & 1 = 1 @1024 (low nibbles s < 2, high s ≥ 2):
@@ -230,29 +231,33 @@ struct Q4_KP {
   }
 };
 struct Q5_KP : Q4_KP {
-  static constexpr int kBlockBytes = 176, kMaxU = 31, kPrefetchStep = 64;
+  static constexpr int kBlockBytes = 176, kMaxU = 31;
+  static constexpr int kPrefetchStep = kPanelRows * kBlockBytes;  // one ask a panel block (see PrefetchAhead)
+  // Panel offsets of qs row t of pair p and of the masks of quad t of sub-block j (the layout above).
+  static constexpr int Qs(int p, int t) { return 256 + 640 * p + 64 + 64 * t; }
+  static constexpr int Mask(int j, int t) { return 256 + 640 * (j / 2) + 576 * (j % 2) + 8 * t; }
   template <class F>
   static void Chunks(int c, F f) {
     f(0, 2 * c, 2);
     f(2, 32 + 2 * c, 2);
     for (int u = 0; u < 3; ++u) f(4 + 4 * u, 64 + 64 * u + 4 * c, 4);
     for (int p = 0; p < 4; ++p)
-      for (int t = 0; t < 8; ++t) f(48 + 32 * p + 4 * t, 256 + 512 * p + 64 * t + 4 * c, 4);
+      for (int t = 0; t < 8; ++t) f(48 + 32 * p + 4 * t, Qs(p, t) + 4 * c, 4);
   }
   // Bit j of qh[l] is the fifth bit of value l of sub-block j.
   template <class F>
   static void Masks(int c, F f) {
     for (int j = 0; j < 8; ++j)
-      for (int l = 0; l < 32; ++l) f(16 + l, j, 2304 + 8 * (8 * j + l / 4), 4 * c + l % 4);
+      for (int l = 0; l < 32; ++l) f(16 + l, j, Mask(j, l / 4), 4 * c + l % 4);
   }
   // The fifth bit goes above the nibble (0x10), so the high nibbles are shifted down here, with the plain scale.
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
-    const __m512i v = Row512(d + 256 + 512 * (j / 2) + 64 * t);
-    return _mm512_or_si512(j % 2 ? Hi4x64(v) : Lo4x64(v), Fifth512(d + 2304 + 8 * (8 * j + t)));
+    const __m512i v = Row512(d + Qs(j / 2, t));
+    return _mm512_or_si512(j % 2 ? Hi4x64(v) : Lo4x64(v), Fifth512(d + Mask(j, t)));
   }
   static __m256i W256(const uint8_t* d, int j, int t, int h) {
-    const __m256i v = Row256(d + 256 + 512 * (j / 2) + 64 * t, h);
-    return _mm256_or_si256(j % 2 ? Hi4x32(v) : Lo4x32(v), Fifth256(d + 2304 + 8 * (8 * j + t), h));
+    const __m256i v = Row256(d + Qs(j / 2, t), h);
+    return _mm256_or_si256(j % 2 ? Hi4x32(v) : Lo4x32(v), Fifth256(d + Mask(j, t), h));
   }
   QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int) {
     return _mm512_mul_ps(F16x16(d), ScaleByte512(d, j));
