@@ -462,13 +462,14 @@ inline int32_t Load32(const void* p) {
 // cold Q6_K GEMV read 14-15 GB/s that way and 27-28 into L2 (T1), and MoE Q4_K_M decode rose ~25%; on the
 // Zen 5, T1 and T0 at 4-16 KiB were within 5% of each other (docs/performance.md).
 //
-// One ask per line is what the types that read their panel block out of order need (Q6_K, Q5_K, Q3_K, Q2_K:
-// qh or mask rows apart from the quant rows, revisited per sub-block; without the asks a cold Q6_K GEMV read
-// 0.45 of a stream on the Zen 4, with them 0.84). The types that read their blocks front to back (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, Q4_K) are followed by the hardware prefetcher, and an ask per line only
-// took its place: on the Zen 4, a cold 2-thread GEMV read 0.91 of a stream read beside it with an ask per
-// line and 1.00-1.03 with one every fourth line, and in that CPU's high-bandwidth state (~58 GB/s) 0.72
-// against 0.94-1.01 (docs/performance.md). kStep is the format's kPrefetchStep.
+// How many asks (kStep, the format's kPrefetchStep) depends on whether the hardware prefetcher follows the
+// tile. It does when a panel block is read front to back: an ask per line then only took its place (Zen 4,
+// a cold 2-thread GEMV beside a stream read: 0.91 of the stream's rate with an ask per line, 1.00-1.03 with one
+// every fourth line; in that CPU's high-bandwidth state, ~58 GB/s, 0.72 against 0.94-1.01), so the 32-value
+// types, Q4_K and IQ4_XS ask for one line in four. Q6_K and Q5_K are laid out in first-read order (see the
+// layouts above) and ask once a panel block (Q6_K: 1.02 of the stream, high state 0.81; in the old layout,
+// with qh rows 2 KiB past their ql rows, no asks gave 0.45 and one per line 0.84). Q2_K and Q3_K, which still
+// jump back to scale and mask rows, ask for every line (docs/performance.md).
 template <size_t kBytes, size_t kStep>
 inline void PrefetchAhead(const uint8_t* d) {
   constexpr size_t kAhead = 8192;
