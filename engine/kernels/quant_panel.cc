@@ -465,11 +465,12 @@ inline int32_t Load32(const void* p) {
 // How many asks (kStep, the format's kPrefetchStep) depends on whether the hardware prefetcher follows the
 // tile. It does when a panel block is read front to back: an ask per line then only took its place (Zen 4,
 // a cold 2-thread GEMV beside a stream read: 0.91 of the stream's rate with an ask per line, 1.00-1.03 with one
-// every fourth line; in that CPU's high-bandwidth state, ~58 GB/s, 0.72 against 0.94-1.01), so the 32-value
-// types, Q4_K and IQ4_XS ask for one line in four. Q6_K and Q5_K are laid out in first-read order (see the
-// layouts above) and ask once a panel block (Q6_K: 1.02 of the stream, high state 0.81; in the old layout,
-// with qh rows 2 KiB past their ql rows, no asks gave 0.45 and one per line 0.84). Q2_K and Q3_K, which still
-// jump back to scale and mask rows, ask for every line (docs/performance.md).
+// every 256 bytes of a panel block; in that CPU's high-bandwidth state, ~58 GB/s, 0.72 against 0.94-1.01), so
+// the 32-value types, Q4_K and IQ4_XS ask every 256 bytes (one line in four for the 256-value types; two or
+// three a panel block of 288-544 bytes for the 32-value ones). Q6_K and Q5_K are laid out in first-read order
+// (see the layouts above) and ask once a panel block (Q6_K: 1.02 of the stream, high state 0.81; in the old
+// layout, with qh rows 2 KiB past their ql rows, no asks gave 0.45 and one per line 0.84). Q2_K and Q3_K,
+// which still jump back to scale and mask rows, ask for every line (docs/performance.md).
 template <size_t kBytes, size_t kStep>
 inline void PrefetchAhead(const uint8_t* d) {
   constexpr size_t kAhead = 8192;
