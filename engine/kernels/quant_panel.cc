@@ -746,7 +746,7 @@ void PanelRows::Pack(const QuantizedRowSet& a, int top, bool scaled) {
   data_.resize(static_cast<size_t>(m_) * (row_bytes_ + scaled_row_bytes_));
   const auto pack = [&](int r0, int R) {
     uint8_t* g = data_.data() + static_cast<size_t>(r0) * row_bytes_;
-    uint8_t* gs = data_.data() + m_ * row_bytes_ + static_cast<size_t>(r0) * scaled_row_bytes_;
+    uint8_t* gs = data_.data() + static_cast<size_t>(m_) * row_bytes_ + static_cast<size_t>(r0) * scaled_row_bytes_;
     for (int r = 0; r < R; ++r) {
       const size_t row = a.row(r0 + r);
       const int8_t* q = a.src->q.data() + row * k;
