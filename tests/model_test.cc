@@ -283,32 +283,35 @@ TEST(Model, FusedQuantizedExpertsKeepThePerExpertBits) {
 // output gate, dense and fused quantized experts, quantized / oneDNN f32 / packed GEMMs, bf16 and int8 caches;
 // MLA with and without the low-rank query path, deepseek2's shared experts beside routed ones (fused quantized
 // and f32) after a leading dense layer; Gated DeltaNet layers beside gated attention, decoding across a
-// committed chunk of their state (position 31).
+// committed chunk of their state (position 31). Fused quantized experts with a multiple of the team's size
+// per token run whole experts per thread, gate/up then down with no barrier between (with 2 threads).
 TEST(Model, OneTokenStepsInOneRegionKeepTheBits) {
   struct Case {
     Arch arch;
     const char* preset;  // nullptr: f32 weights
     const char* gemm;    // QKV_GEMM
+    int n_used = 3;      // experts per token: 3 splits experts between 2 threads, 2 and 4 give each whole ones
   };
   for (const Case& k : {Case{Arch::kQwen3, "Q8_0", "auto"}, Case{Arch::kQwen2, "Q4_K_M", "auto"},
-                        Case{Arch::kQwen3Moe, "Q4_K_M", "auto"}, Case{Arch::kQwen3Moe, nullptr, "auto"},
-                        Case{Arch::kLlama, nullptr, "auto"}, Case{Arch::kLlama, nullptr, "packed"},
-                        Case{Arch::kDeepseek2, "Q4_K_M", "auto"}, Case{Arch::kDeepseek2, nullptr, "auto"},
+                        Case{Arch::kQwen3Moe, "Q4_K_M", "auto"}, Case{Arch::kQwen3Moe, "Q4_K_M", "auto", 4},
+                        Case{Arch::kQwen3Moe, nullptr, "auto"}, Case{Arch::kLlama, nullptr, "auto"},
+                        Case{Arch::kLlama, nullptr, "packed"}, Case{Arch::kDeepseek2, "Q4_K_M", "auto"},
+                        Case{Arch::kDeepseek2, "Q4_K_M", "auto", 2}, Case{Arch::kDeepseek2, nullptr, "auto"},
                         Case{Arch::kQwen35, "Q8_0", "auto"}, Case{Arch::kQwen35, nullptr, "auto"}}) {
     for (DType kv : {DType::kBF16, DType::kI8}) {
       SCOPED_TRACE(std::string(ArchName(k.arch)) + " " + (k.preset ? k.preset : "f32") + " " + k.gemm + " kv " +
-                   DTypeName(kv));
+                   DTypeName(kv) + " experts " + std::to_string(k.n_used));
       ModelConfig cfg = testing::SmallConfig(k.arch);
       cfg.attention_sinks = true;
       if (k.arch == Arch::kQwen3) cfg.attn_output_gate = true;
       if (k.preset) cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
-      if (k.arch == Arch::kQwen3Moe) cfg.moe.n_experts = 8, cfg.moe.n_used = 3, cfg.moe.expert_ffn = 256;
+      if (k.arch == Arch::kQwen3Moe) cfg.moe.n_experts = 8, cfg.moe.n_used = k.n_used, cfg.moe.expert_ffn = 256;
       if (k.arch == Arch::kQwen35) cfg.recurrent = {true, false, true}, cfg.n_layers = 3;
       if (k.arch == Arch::kQwen35 && k.preset) cfg.linear.k_dim = 32, cfg.linear.v_dim = 32;
       if (k.arch == Arch::kDeepseek2) {
         cfg.attention_sinks = false;
         cfg.n_layers = 3, cfg.n_dense_lead = 1;
-        cfg.moe = {8, 3, k.preset ? 256 : 32, /*n_shared=*/1, ExpertGating::kSigmoid, true, 2.5, 4, 2, true};
+        cfg.moe = {8, k.n_used, k.preset ? 256 : 32, /*n_shared=*/1, ExpertGating::kSigmoid, true, 2.5, 4, 2, true};
         if (k.preset) {
           cfg.mla.kv_lora_rank = 64, cfg.mla.q_lora_rank = 256, cfg.head_dim = 96, cfg.mla.qk_nope_dim = 32;
         } else {
@@ -316,7 +319,8 @@ TEST(Model, OneTokenStepsInOneRegionKeepTheBits) {
           cfg.n_layers = 27;
         }
       }
-      const std::string path = testing::TempDir() + "/team_" + ArchName(k.arch) + (k.preset ? k.preset : "") + ".gguf";
+      const std::string path = testing::TempDir() + "/team_" + ArchName(k.arch) + (k.preset ? k.preset : "") + "_" +
+                               std::to_string(k.n_used) + ".gguf";
       RandomModelOptions ro;
       if (k.preset) ro.preset = k.preset;
       ASSERT_TRUE(WriteRandomModel(cfg, ro, path).ok());
