@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "engine/kernels/cpu.h"
 #include "engine/kernels/quant_gemm.h"
@@ -84,9 +85,9 @@ inline __m256 Byte256(__m256i v, int i) {
 //   Q5_K          as Q4_K up to 256; then per pair p of sub-blocks @256 + 640p: the masks of sub-block 2p by
 //                 quad (8 × 8 bytes), the pair's 8 qs rows @64, the masks of 2p + 1 @576 (first-read order)
 //   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; per half h (sub-blocks 4h + s, s < 4)
-//                 @288 + 1536h: the 8 ql rows of s & 1 = 0 and the half's 8 qh rows in turn (ql row t @128t,
-//                 qh row t @128t + 64), then the 8 ql rows of s & 1 = 1 @1024 (low nibbles s < 2, high s ≥ 2):
-//                 the order in which the tile first reads them, so that the hardware prefetcher follows it
+//                 @288 + 1536h, per quad t @192t: the ql row of s & 1 = 0, the qh row, the ql row of s & 1 = 1
+//                 (low nibbles s < 2, high s ≥ 2): the order in which the decode tile reads them (Q6Half512:
+//                 quad by quad, the half's four sub-blocks at once), so that the hardware prefetcher follows it
 //   IQ4_XS        d @0; scales_h[16] u16 @32; scales_l as a row of dwords @64; per sub-block 4 rows @128 + 256j
 // The per-32 scale (d, f16 at 0 in the panel block), with no offset or with a minimum m (f16 at 32, value =
 // d × q + m, so the offset is −m).
@@ -268,8 +269,8 @@ struct Q6_KP {
   static constexpr int kPrefetchStep = kPanelRows * kBlockBytes;  // one ask a panel block (see PrefetchAhead)
   static constexpr bool kSigned2 = false, kPer16 = true, kOff = false;
   // Panel offsets of ql row t of half h and s & 1 = s1, and of qh row t of half h (the layout above).
-  static constexpr int Ql(int h, int s1, int t) { return 288 + 1536 * h + (s1 ? 1024 + 64 * t : 128 * t); }
-  static constexpr int Qh(int h, int t) { return 288 + 1536 * h + 128 * t + 64; }
+  static constexpr int Ql(int h, int s1, int t) { return 288 + 1536 * h + 192 * t + 128 * s1; }
+  static constexpr int Qh(int h, int t) { return 288 + 1536 * h + 192 * t + 64; }
   template <class F>
   static void Chunks(int c, F f) {
     f(208, 2 * c, 2);
@@ -288,15 +289,17 @@ struct Q6_KP {
   // Q6_K GEMV went from 77 to 90 GB/s (Zen 4). Tile256 does not unroll its sub-blocks, so s is not a
   // constant there and W256 keeps the shift by a count (the constant shifts chosen at run time read 41
   // GB/s against 50).
-  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
-    const int h = j / 4, s = j % 4;
-    const __m512i l = Row512(d + Ql(h, s & 1, t));
-    const __m512i qh = Row512(d + Qh(h, t));
-    const __m512i q = s == 0 ? _mm512_slli_epi16(qh, 4)
+  // The values of sub-block 4h + s from its ql row l and the qh row.
+  QKV_AVX512_VNNI static __m512i Value512(__m512i l, __m512i qh, int s) {
+    const __m512i q = s == 0   ? _mm512_slli_epi16(qh, 4)
                       : s == 1 ? _mm512_slli_epi16(qh, 2)
                       : s == 2 ? qh
                                : _mm512_srli_epi16(qh, 2);
     return _mm512_or_si512(s >> 1 ? Hi4x64(l) : Lo4x64(l), _mm512_and_si512(q, _mm512_set1_epi8(0x30)));
+  }
+  QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
+    const int h = j / 4, s = j % 4;
+    return Value512(Row512(d + Ql(h, s & 1, t)), Row512(d + Qh(h, t)), s);
   }
   static __m256i W256(const uint8_t* d, int j, int t, int h) {
     const int hh = j / 4, s = j % 4;
@@ -476,10 +479,10 @@ inline int32_t Load32(const void* p) {
 // a cold 2-thread GEMV beside a stream read: 0.91 of the stream's rate with an ask per line, 1.00-1.03 with one
 // every 256 bytes of a panel block; in that CPU's high-bandwidth state, ~58 GB/s, 0.72 against 0.94-1.01), so
 // the 32-value types, Q4_K and IQ4_XS ask every 256 bytes (one line in four for the 256-value types; two or
-// three a panel block of 288-544 bytes for the 32-value ones). Q6_K and Q5_K are laid out in first-read order
-// (see the layouts above) and ask once a panel block (Q6_K: 1.02 of the stream, high state 0.81; in the old
-// layout, with qh rows 2 KiB past their ql rows, no asks gave 0.45 and one per line 0.84). Q2_K and Q3_K,
-// which still jump back to scale and mask rows, ask for every line (docs/performance.md).
+// three a panel block of 288-544 bytes for the 32-value ones). Q6_K and Q5_K are laid out in the order their
+// tiles read them (see the layouts above) and ask once a panel block (no asks and one every 1 KiB are within
+// ±0.03; in Q6_K's first layout, with qh rows 2 KiB past their ql rows, no asks gave 0.45 and one per line 0.84). Q2_K
+// and Q3_K, which still jump back to scale and mask rows, ask for every line (docs/performance.md).
 template <size_t kBytes, size_t kStep>
 inline void PrefetchAhead(const uint8_t* d) {
   constexpr size_t kAhead = 8192;
@@ -510,6 +513,53 @@ struct PackedBlock {
   float ScaledSum16(int r, int half) const { return LoadF(s + 4 * R + 8 * r + 4 * half); }
 };
 
+// Q6_K at decode (R ≤ 2): half h of panel block d (sub-blocks j0 + 4h .. j0 + 4h + 3 of the rows), quad by quad:
+// each quad's two ql rows and qh row are loaded once and give the four sub-blocks' values, so the half's
+// bytes are read front to back, 192 at a time, with four dot products each, instead of the first two
+// sub-blocks reading all of them and the last two none (cold 32000 × 1024 GEMV 0.98 → 1.05 of the stream, Zen
+// 4, docs/performance.md). The integer sums are the same; the float steps run in Tile512's order (sub-block,
+// then its halves), so the bits are Tile512's.
+template <int R>
+QKV_AVX512_VNNI inline __attribute__((always_inline)) void Q6Half512(const uint8_t* d, int h, const uint8_t* rows,
+                                                                     const uint8_t* scaled, int j0, __m512* acc) {
+  using P = Q6_KP;
+  const auto block = [&](int s) {
+    const size_t blk = static_cast<size_t>(j0 + 4 * h + s) * R;
+    return PackedBlock<R>{rows + blk * kRowBlock, scaled + blk * kScaledBlock};
+  };
+  __m512i sum[4][2][R];  // sub-block s, its half (quads 0-3, 4-7), row
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half)
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) sum[s][half][r] = _mm512_set1_epi32(-P::kBias * block(s).Sum16(r, half));
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+    const __m512i l0 = Row512(d + P::Ql(h, 0, t)), qh = Row512(d + P::Qh(h, t)), l1 = Row512(d + P::Ql(h, 1, t));
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m512i w = P::Value512(s & 1 ? l1 : l0, qh, s);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r)
+        sum[s][t / 4][r] = _mm512_dpbusd_epi32(sum[s][t / 4][r], w, _mm512_set1_epi32(block(s).Quad(r, t)));
+    }
+  }
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const __m512 sc = P::Sc512(d, 4 * h + s, half);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m512 rs = _mm512_mul_ps(sc, _mm512_set1_ps(block(s).Scale(r)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[s][half][r]), rs, acc[r]);
+      }
+    }
+  }
+}
+
 // ---- AVX-512 VNNI: a group of R activation rows (PanelRows) against a panel. Per sub-block (or half, for
 // kPer16) the int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs
 // as two chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
@@ -525,6 +575,11 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, c
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
     if constexpr (R <= 2) PrefetchAhead<PB, P::kPrefetchStep>(d);
+    if constexpr (std::is_same_v<P, Q6_KP> && R <= 2) {
+      Q6Half512<R>(d, 0, rows, scaled, sb * G, acc);
+      Q6Half512<R>(d, 1, rows, scaled, sb * G, acc);
+      continue;
+    }
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
       const size_t blk = static_cast<size_t>(sb * G + j) * R;
