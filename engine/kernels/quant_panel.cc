@@ -83,7 +83,8 @@ inline __m256 Byte256(__m256i v, int i) {
 //   Q4_K          d @0; dmin @32; the 12 scale bytes as 3 rows of dwords @64; qs: per pair p of sub-blocks
 //                 8 rows @256 + 512p (low nibbles sub-block 2p, high 2p + 1)
 //   Q5_K          as Q4_K up to 256; then per pair p of sub-blocks @256 + 640p: the masks of sub-block 2p by
-//                 quad (8 × 8 bytes), the pair's 8 qs rows @64, the masks of 2p + 1 @576 (first-read order)
+//                 quad (8 × 8 bytes), those of 2p + 1 @64, the pair's 8 qs rows @128 (the order in which the
+//                 decode tile, Pair512, reads them)
 //   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; per half h (sub-blocks 4h + s, s < 4)
 //                 @288 + 1536h, per quad t @192t: the ql row of s & 1 = 0, the qh row, the ql row of s & 1 = 1
 //                 (low nibbles s < 2, high s ≥ 2): the order in which the decode tile reads them (Q6Half512:
@@ -235,8 +236,9 @@ struct Q5_KP : Q4_KP {
   static constexpr int kBlockBytes = 176, kMaxU = 31;
   static constexpr int kPrefetchStep = kPanelRows * kBlockBytes;  // one ask a panel block (see PrefetchAhead)
   // Panel offsets of qs row t of pair p and of the masks of quad t of sub-block j (the layout above).
-  static constexpr int Qs(int p, int t) { return 256 + 640 * p + 64 + 64 * t; }
-  static constexpr int Mask(int j, int t) { return 256 + 640 * (j / 2) + 576 * (j % 2) + 8 * t; }
+  static constexpr int Qs(int p, int t) { return 256 + 640 * p + 128 + 64 * t; }
+  static constexpr int Mask(int j, int t) { return 256 + 640 * (j / 2) + 64 * (j % 2) + 8 * t; }
+  static constexpr bool kPairs = true;  // Pair512
   template <class F>
   static void Chunks(int c, F f) {
     f(0, 2 * c, 2);
@@ -560,6 +562,69 @@ QKV_AVX512_VNNI inline __attribute__((always_inline)) void Q6Half512(const uint8
   }
 }
 
+// Formats whose sub-blocks 2p and 2p + 1 take their values from the same rows (kPairs: Q5_K).
+template <class P>
+constexpr bool Paired() {
+  if constexpr (requires { P::kPairs; }) {
+    return P::kPairs;
+  } else {
+    return false;
+  }
+}
+
+// Those at decode (R ≤ 2): sub-blocks 2p and 2p + 1 of panel block d quad by quad, each row loaded once for
+// both, the integer sums as Tile512's (two chains, quads 0-3 and 4-7), the float steps in its order, so the
+// bits are Tile512's. With Q5_K's masks of both sub-blocks ahead of the rows, the pair's bytes are read front
+// to back at an even pace, not 576 bytes by sub-block 2p and 64 by 2p + 1: a cold 32000 × 1024 Q5_K GEMV read
+// 0.83 → 0.94 of the stream in the Zen 4's high-bandwidth state (0.98 → 0.99 in the usual one). Q4_K gained
+// nothing from the same loop (docs/performance.md), so it keeps Tile512's.
+template <class P, int R>
+QKV_AVX512_VNNI inline __attribute__((always_inline)) void Pair512(const uint8_t* d, int p, const uint8_t* rows,
+                                                                   const uint8_t* scaled, int j0, __m512* acc) {
+  const auto block = [&](int i) {
+    const size_t blk = static_cast<size_t>(j0 + 2 * p + i) * R;
+    return PackedBlock<R>{rows + blk * kRowBlock, scaled + blk * kScaledBlock};
+  };
+  __m512i lo[2][R], hi[2][R];
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      lo[i][r] = _mm512_set1_epi32(-P::kBias * block(i).Sum32(r));
+      hi[i][r] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+      const __m512i w = P::W512(d, 2 * p + i, t);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m512i av = _mm512_set1_epi32(block(i).Quad(r, t));
+        if (t >= 4) {
+          hi[i][r] = _mm512_dpbusd_epi32(hi[i][r], w, av);
+        } else {
+          lo[i][r] = _mm512_dpbusd_epi32(lo[i][r], w, av);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    const __m512 sc = P::Sc512(d, 2 * p + i, 0);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = _mm512_add_epi32(lo[i][r], hi[i][r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(block(i).Scale(r))), acc[r]);
+    }
+    if constexpr (P::kOff) {
+      const __m512 off = P::Off512(d, 2 * p + i, 0);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(block(i).ScaledSum32(r)), acc[r]);
+    }
+  }
+}
+
 // ---- AVX-512 VNNI: a group of R activation rows (PanelRows) against a panel. Per sub-block (or half, for
 // kPer16) the int32 starts at −kBias × Σ a and takes one vpdpbusd per quad; with R < 4 a sub-block's sum runs
 // as two chains (quads 0-3 and 4-7, added exactly) so that decode is not bound by the dot product's latency.
@@ -578,6 +643,11 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, c
     if constexpr (std::is_same_v<P, Q6_KP> && R <= 2) {
       Q6Half512<R>(d, 0, rows, scaled, sb * G, acc);
       Q6Half512<R>(d, 1, rows, scaled, sb * G, acc);
+      continue;
+    }
+    if constexpr (Paired<P>() && R <= 2) {
+#pragma GCC unroll 4
+      for (int p = 0; p < G / 2; ++p) Pair512<P, R>(d, p, rows, scaled, sb * G, acc);
       continue;
     }
 #pragma GCC unroll 8
