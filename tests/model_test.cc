@@ -283,8 +283,8 @@ TEST(Model, FusedQuantizedExpertsKeepThePerExpertBits) {
 // output gate, dense and fused quantized experts, quantized / oneDNN f32 / packed GEMMs, bf16 and int8 caches;
 // MLA with and without the low-rank query path, deepseek2's shared experts beside routed ones (fused quantized
 // and f32) after a leading dense layer; Gated DeltaNet layers beside gated attention, decoding across a
-// committed chunk of their state (position 31). Fused quantized experts with a multiple of the team's size
-// per token run whole experts per thread, gate/up then down with no barrier between (with 2 threads).
+// committed chunk of their state (position 31). Fused quantized experts with 2 or 4 experts a token give
+// each of the 2 threads whole experts (the cut of the experts' columns falls on an expert's edge); 3 split one.
 TEST(Model, OneTokenStepsInOneRegionKeepTheBits) {
   struct Case {
     Arch arch;

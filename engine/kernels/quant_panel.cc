@@ -285,13 +285,12 @@ struct Q6_KP {
   }
   template <class F>
   static void Masks(int, F) {}
-  // Value = nibble | (bits 2s, 2s + 1 of the qh byte) << 4. W512 moves the qh bits straight to bits 4-5 by
-  // one 16-bit shift (none for s = 2) and masks them there (what the shift carries across a byte lands
-  // outside 0x30): one operation a quad fewer than shifting down, masking and shifting up; a hot 2-thread
-  // Q6_K GEMV went from 77 to 90 GB/s (Zen 4). Tile256 does not unroll its sub-blocks, so s is not a
-  // constant there and W256 keeps the shift by a count (the constant shifts chosen at run time read 41
-  // GB/s against 50).
-  // The values of sub-block 4h + s from its ql row l and the qh row.
+  // The values of sub-block 4h + s from its ql row l and the qh row: nibble | (bits 2s, 2s + 1 of the qh
+  // byte) << 4. The qh bits go straight to bits 4-5 by one 16-bit shift (none for s = 2) and are masked there
+  // (what the shift carries across a byte lands outside 0x30): one operation a quad fewer than shifting down,
+  // masking and shifting up; a hot 2-thread Q6_K GEMV went from 77 to 90 GB/s (Zen 4). Tile256 does not
+  // unroll its sub-blocks, so s is not a constant there and W256 keeps the shift by a count (the constant
+  // shifts chosen at run time read 41 GB/s against 50).
   QKV_AVX512_VNNI static __m512i Value512(__m512i l, __m512i qh, int s) {
     const __m512i q = s == 0   ? _mm512_slli_epi16(qh, 4)
                       : s == 1 ? _mm512_slli_epi16(qh, 2)
