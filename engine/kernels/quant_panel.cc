@@ -238,7 +238,6 @@ struct Q5_KP : Q4_KP {
   // Panel offsets of qs row t of pair p and of the masks of quad t of sub-block j (the layout above).
   static constexpr int Qs(int p, int t) { return 256 + 640 * p + 128 + 64 * t; }
   static constexpr int Mask(int j, int t) { return 256 + 640 * (j / 2) + 64 * (j % 2) + 8 * t; }
-  static constexpr bool kPairs = true;  // Pair512
   template <class F>
   static void Chunks(int c, F f) {
     f(0, 2 * c, 2);
@@ -561,22 +560,12 @@ QKV_AVX512_VNNI inline __attribute__((always_inline)) void Q6Half512(const uint8
   }
 }
 
-// Formats whose sub-blocks 2p and 2p + 1 take their values from the same rows (kPairs: Q5_K).
-template <class P>
-constexpr bool Paired() {
-  if constexpr (requires { P::kPairs; }) {
-    return P::kPairs;
-  } else {
-    return false;
-  }
-}
-
-// Those at decode (R ≤ 2): sub-blocks 2p and 2p + 1 of panel block d quad by quad, each row loaded once for
-// both, the integer sums as Tile512's (two chains, quads 0-3 and 4-7), the float steps in its order, so the
-// bits are Tile512's. With Q5_K's masks of both sub-blocks ahead of the rows, the pair's bytes are read front
-// to back at an even pace, not 576 bytes by sub-block 2p and 64 by 2p + 1: a cold 32000 × 1024 Q5_K GEMV read
-// 0.83 → 0.94 of the stream in the Zen 4's high-bandwidth state (0.98 → 0.99 in the usual one). Q4_K gained
-// nothing from the same loop (docs/performance.md), so it keeps Tile512's.
+// Q5_K at decode (R ≤ 2): sub-blocks 2p and 2p + 1 of panel block d (their values come from the same qs rows)
+// quad by quad, each row loaded once for both, the integer sums as Tile512's (two chains, quads 0-3 and 4-7),
+// the float steps in its order, so the bits are Tile512's. With Q5_K's masks of both sub-blocks ahead of the rows, the
+// pair's bytes are read front to back at an even pace, not 576 bytes by sub-block 2p and 64 by 2p + 1: a cold 32000 ×
+// 1024 Q5_K GEMV read 0.83 → 0.94 of the stream in the Zen 4's high-bandwidth state (0.98 → 0.99 in the usual one).
+// Q4_K gained nothing from the same loop (docs/performance.md), so it keeps Tile512's.
 template <class P, int R>
 QKV_AVX512_VNNI inline __attribute__((always_inline)) void Pair512(const uint8_t* d, int p, const uint8_t* rows,
                                                                    const uint8_t* scaled, int j0, __m512* acc) {
@@ -644,7 +633,7 @@ QKV_AVX512_VNNI void Tile512(const uint8_t* panel, int k, const uint8_t* rows, c
       Q6Half512<R>(d, 1, rows, scaled, sb * G, acc);
       continue;
     }
-    if constexpr (Paired<P>() && R <= 2) {
+    if constexpr (std::is_same_v<P, Q5_KP> && R <= 2) {
 #pragma GCC unroll 4
       for (int p = 0; p < G / 2; ++p) Pair512<P, R>(d, p, rows, scaled, sb * G, acc);
       continue;
