@@ -90,6 +90,10 @@ inline __m256 Byte256(__m256i v, int i) {
 //                 (low nibbles s < 2, high s ≥ 2): the order in which the decode tile reads them (Q6Half512:
 //                 quad by quad, the half's four sub-blocks at once), so that the hardware prefetcher follows it
 //   IQ4_XS        d @0; scales_h[16] u16 @32; scales_l as a row of dwords @64; per sub-block 4 rows @128 + 256j
+//   Q2_K          d @0; dmin @32; the 16 scale bytes as 16 rows of 16 bytes @64; qs: per half (sub-blocks
+//                 4h .. 4h + 3) 8 rows @320 + 512h (bits 2s, 2s + 1: sub-block 4h + s)
+//   Q3_K          d @0; the 16 6-bit scales as 3 rows of dwords @32 (see Q3_KP::Masks); the high bits by
+//                 sub-block and quad @224 (64 × 8 bytes); qs as Q2_K's @736 + 512h
 // The per-32 scale (d, f16 at 0 in the panel block), with no offset or with a minimum m (f16 at 32, value =
 // d × q + m, so the offset is −m).
 struct Scale32 {
@@ -418,15 +422,23 @@ struct Q3_KP {
   template <class F>
   static void Chunks(int c, F f) {
     f(108, 2 * c, 2);
-    for (int u = 0; u < 3; ++u) f(96 + 4 * u, 32 + 64 * u + 4 * c, 4);
     for (int h = 0; h < 2; ++h)
       for (int t = 0; t < 8; ++t) f(32 + 32 * h + 4 * t, 736 + 512 * h + 64 * t + 4 * c, 4);
   }
-  // Bit j of hmask[l] is the high bit of value l of sub-block j.
+  // Bit j of hmask[l] is the high bit of value l of sub-block j. The 6-bit scale u of group g (ScaleK3: the
+  // low 4 bits in byte g % 8 of the file's scales, its high nibble when g >= 8, the high 2 in byte 8 + g % 4,
+  // bits 2 (g / 4)) goes whole into the row's dword g / 5, bits 6 (g % 5) (g < 15), and group 15 two bits a
+  // dword, bits 30-31 of dwords 0, 1, 2: a group then takes two shifts, not two loads and seven operations.
   template <class F>
   static void Masks(int c, F f) {
     for (int j = 0; j < 8; ++j)
       for (int l = 0; l < 32; ++l) f(l, j, 224 + 8 * (8 * j + l / 4), 4 * c + l % 4);
+    for (int g = 0; g < 16; ++g)
+      for (int i = 0; i < 6; ++i) {
+        const int byte = i < 4 ? 96 + g % 8 : 104 + g % 4, bit = i < 4 ? i + 4 * (g / 8) : i - 4 + 2 * (g / 4);
+        const int u = g < 15 ? g / 5 : i / 2, to_bit = g < 15 ? 6 * (g % 5) + i : 30 + i % 2;
+        f(byte, bit, 32 + 64 * u + 4 * c, to_bit);
+      }
   }
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
     return _mm512_or_si512(Q2_KP::Crumbs512(d + 736, j, t), Fifth512(d + 224 + 8 * (8 * j + t), 4));
@@ -434,26 +446,39 @@ struct Q3_KP {
   static __m256i W256(const uint8_t* d, int j, int t, int h) {
     return _mm256_or_si256(Q2_KP::Crumbs256(d + 736, j, t, h), Fifth256(d + 224 + 8 * (8 * j + t), h, 4));
   }
-  // Group g = 2j + half: the low 4 bits from byte g % 8 (its high nibble when g >= 8), the high 2 from byte
-  // 8 + g % 4 (bits 2 (g / 4)); minus 32.
+  // Group g = 2j + half, u − 32 as the signed 6-bit field: the fields' top bits flipped (u ^ 32), then shifted
+  // up to bit 31 and arithmetically down; group 15 from its three 2-bit pieces (the top one signed).
+  static constexpr int kScaleFlip[3] = {0x20820820, 0x20820820, static_cast<int>(0xA0820820u)};
+  QKV_AVX512_VNNI static __m512i ScaleRow512(const uint8_t* d, int u) {
+    return _mm512_xor_si512(Row512(d + 32 + 64 * u), _mm512_set1_epi32(kScaleFlip[u]));
+  }
   QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int half) {
     const int g = 2 * j + half;
-    const __m512i lo = _mm512_and_si512(
-        _mm512_srl_epi32(Row512(d + 32 + 64 * (g % 8 / 4)), _mm_cvtsi32_si128(8 * (g % 4) + 4 * (g / 8))),
-        _mm512_set1_epi32(0x0F));
-    const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(Row512(d + 160), _mm_cvtsi32_si128(8 * (g % 4) + 2 * (g / 4))),
-                                        _mm512_set1_epi32(3));
-    const __m512i v = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    __m512i v;
+    if (g < 15) {
+      v = _mm512_srai_epi32(_mm512_sll_epi32(ScaleRow512(d, g / 5), _mm_cvtsi32_si128(26 - 6 * (g % 5))), 26);
+    } else {
+      const __m512i lo = _mm512_srli_epi32(ScaleRow512(d, 0), 30);
+      const __m512i mid = _mm512_and_si512(_mm512_srli_epi32(ScaleRow512(d, 1), 28), _mm512_set1_epi32(0x0C));
+      const __m512i top = _mm512_slli_epi32(_mm512_srai_epi32(ScaleRow512(d, 2), 30), 4);
+      v = _mm512_or_si512(_mm512_or_si512(lo, mid), top);
+    }
     return _mm512_mul_ps(F16x16(d), _mm512_cvtepi32_ps(v));
+  }
+  static __m256i ScaleRow256(const uint8_t* d, int u, int h) {
+    return _mm256_xor_si256(Row256(d + 32 + 64 * u, h), _mm256_set1_epi32(kScaleFlip[u]));
   }
   static __m256 Sc256(const uint8_t* d, int j, int half, int h) {
     const int g = 2 * j + half;
-    const __m256i lo = _mm256_and_si256(
-        _mm256_srl_epi32(Row256(d + 32 + 64 * (g % 8 / 4), h), _mm_cvtsi32_si128(8 * (g % 4) + 4 * (g / 8))),
-        _mm256_set1_epi32(0x0F));
-    const __m256i hi = _mm256_and_si256(
-        _mm256_srl_epi32(Row256(d + 160, h), _mm_cvtsi32_si128(8 * (g % 4) + 2 * (g / 4))), _mm256_set1_epi32(3));
-    const __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    __m256i v;
+    if (g < 15) {
+      v = _mm256_srai_epi32(_mm256_sll_epi32(ScaleRow256(d, g / 5, h), _mm_cvtsi32_si128(26 - 6 * (g % 5))), 26);
+    } else {
+      const __m256i lo = _mm256_srli_epi32(ScaleRow256(d, 0, h), 30);
+      const __m256i mid = _mm256_and_si256(_mm256_srli_epi32(ScaleRow256(d, 1, h), 28), _mm256_set1_epi32(0x0C));
+      const __m256i top = _mm256_slli_epi32(_mm256_srai_epi32(ScaleRow256(d, 2, h), 30), 4);
+      v = _mm256_or_si256(_mm256_or_si256(lo, mid), top);
+    }
     return _mm256_mul_ps(F16x8(d, h), _mm256_cvtepi32_ps(v));
   }
   QKV_AVX512_VNNI static __m512 Off512(const uint8_t*, int, int) { return _mm512_setzero_ps(); }
