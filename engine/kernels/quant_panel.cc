@@ -92,8 +92,8 @@ inline __m256 Byte256(__m256i v, int i) {
 //   IQ4_XS        d @0; scales_h[16] u16 @32; scales_l as a row of dwords @64; per sub-block 4 rows @128 + 256j
 //   Q2_K          d @0; dmin @32; the 16 scale bytes as 16 rows of 16 bytes @64; qs: per half (sub-blocks
 //                 4h .. 4h + 3) 8 rows @320 + 512h (bits 2s, 2s + 1: sub-block 4h + s)
-//   Q3_K          d @0; the 16 6-bit scales as 3 rows of dwords @32 (see Q3_KP::Masks); the high bits by
-//                 sub-block and quad @224 (64 × 8 bytes); qs as Q2_K's @736 + 512h
+//   Q3_K          d @0; the 16 6-bit scales as 3 rows of dwords @32 (see Q3_KP::Masks); hmask as 8 rows by
+//                 quad @224 (bit j of a byte: sub-block j); qs as Q2_K's @736 + 512h
 // The per-32 scale (d, f16 at 0 in the panel block), with no offset or with a minimum m (f16 at 32, value =
 // d × q + m, so the offset is −m).
 struct Scale32 {
@@ -422,17 +422,16 @@ struct Q3_KP {
   template <class F>
   static void Chunks(int c, F f) {
     f(108, 2 * c, 2);
+    for (int t = 0; t < 8; ++t) f(4 * t, 224 + 64 * t + 4 * c, 4);
     for (int h = 0; h < 2; ++h)
       for (int t = 0; t < 8; ++t) f(32 + 32 * h + 4 * t, 736 + 512 * h + 64 * t + 4 * c, 4);
   }
-  // Bit j of hmask[l] is the high bit of value l of sub-block j. The 6-bit scale u of group g (ScaleK3: the
-  // low 4 bits in byte g % 8 of the file's scales, its high nibble when g >= 8, the high 2 in byte 8 + g % 4,
-  // bits 2 (g / 4)) goes whole into the row's dword g / 5, bits 6 (g % 5) (g < 15), and group 15 two bits a
-  // dword, bits 30-31 of dwords 0, 1, 2: a group then takes two shifts, not two loads and seven operations.
+  // The 6-bit scale u of group g (ScaleK3: the low 4 bits in byte g % 8 of the file's scales, its high nibble
+  // when g >= 8, the high 2 in byte 8 + g % 4, bits 2 (g / 4)) goes whole into the row's dword g / 5, bits
+  // 6 (g % 5) (g < 15), and group 15 two bits a dword, bits 30-31 of dwords 0, 1, 2: a group then takes two
+  // shifts, not two loads and seven operations.
   template <class F>
   static void Masks(int c, F f) {
-    for (int j = 0; j < 8; ++j)
-      for (int l = 0; l < 32; ++l) f(l, j, 224 + 8 * (8 * j + l / 4), 4 * c + l % 4);
     for (int g = 0; g < 16; ++g)
       for (int i = 0; i < 6; ++i) {
         const int byte = i < 4 ? 96 + g % 8 : 104 + g % 4, bit = i < 4 ? i + 4 * (g / 8) : i - 4 + 2 * (g / 4);
@@ -440,11 +439,27 @@ struct Q3_KP {
         f(byte, bit, 32 + 64 * u + 4 * c, to_bit);
       }
   }
+  // The high bits: hmask[4t .. 4t + 3] of the 16 rows as the row of quad t (@224 + 64t), the file's bytes;
+  // bit j of each byte (sub-block j) shifted to bit 2 (4 when set). Two operations where the 64-bit masks of
+  // Q5_K (Fifth) take a mask load and a masked move on AVX-512 and four on AVX2: the same speed on AVX-512,
+  // and on AVX2 with the sub-blocks unrolled 24 → 30 GB/s where the masks fell to 13-17 (docs/performance.md).
+  QKV_AVX512_VNNI static __m512i High512(const uint8_t* d, int j, int t) {
+    const __m512i v = Row512(d + 224 + 64 * t);
+    const __m512i b =
+        j >= 2 ? _mm512_srl_epi16(v, _mm_cvtsi32_si128(j - 2)) : _mm512_sll_epi16(v, _mm_cvtsi32_si128(2 - j));
+    return _mm512_and_si512(b, _mm512_set1_epi8(4));
+  }
+  static __m256i High256(const uint8_t* d, int j, int t, int h) {
+    const __m256i v = Row256(d + 224 + 64 * t, h);
+    const __m256i b =
+        j >= 2 ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(j - 2)) : _mm256_sll_epi16(v, _mm_cvtsi32_si128(2 - j));
+    return _mm256_and_si256(b, _mm256_set1_epi8(4));
+  }
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
-    return _mm512_or_si512(Q2_KP::Crumbs512(d + 736, j, t), Fifth512(d + 224 + 8 * (8 * j + t), 4));
+    return _mm512_or_si512(Q2_KP::Crumbs512(d + 736, j, t), High512(d, j, t));
   }
   static __m256i W256(const uint8_t* d, int j, int t, int h) {
-    return _mm256_or_si256(Q2_KP::Crumbs256(d + 736, j, t, h), Fifth256(d + 224 + 8 * (8 * j + t), h, 4));
+    return _mm256_or_si256(Q2_KP::Crumbs256(d + 736, j, t, h), High256(d, j, t, h));
   }
   // Group g = 2j + half, u − 32 as the signed 6-bit field: the fields' top bits flipped (u ^ 32), then shifted
   // up to bit 31 and arithmetically down; group 15 from its three 2-bit pieces (the top one signed).
@@ -752,7 +767,9 @@ void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, const uin
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
     if constexpr (R == 1) PrefetchAhead<PB, P::kPrefetchStep>(d);
-#pragma GCC unroll 1
+      // The sub-blocks unrolled, as on AVX-512: the shift counts and offsets become constants (hot 2-thread GEMV
+      // at AVX2, Zen 4: Q3_K 24 → 30 GB/s, Q6_K 49-51 → 57-58, Q5_K 33.5 → 38, Q4_K 57 → 60-62, Q2_K 29 → 31-32).
+#pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
       const size_t blk = static_cast<size_t>(sb * G + j) * R;
       const PackedBlock<R> x{rows + blk * kRowBlock, scaled + blk * kScaledBlock};
