@@ -30,21 +30,21 @@ QKV_AVX512_VNNI inline __m512i Hi4x64(__m512i v) {
 }
 inline __m256i Lo4x32(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i Hi4x32(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-// A 64-bit mask (bit 4c + i: panel row c, value i of a quad) as bytes `v` (0x10: a fifth bit) or 0.
-QKV_AVX512_VNNI inline __m512i Fifth512(const uint8_t* p, char v = 0x10) {
-  uint64_t m;
-  std::memcpy(&m, p, 8);
-  return _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(v));
+// The fifth bits of Q5_0, Q5_1, Q5_K and Q3_K's high bits are kept as rows of bytes (bit t of a byte: quad t,
+// or sub-block t; see the layouts). AVX-512 tests bit `from` of each byte of the 64-byte row at p and adds `v`
+// to the bytes of q where it is set (q has that bit clear): a test into a mask and a masked add, as the 64-bit
+// masks by quad they replace took a mask load and a masked move (the same speed). AVX2 moves the bit to bit `to`
+// by one 16-bit shift (what it carries across a byte lands outside bit `to`) and an and: two operations where
+// the masks took five (hot 2-thread AVX2 GEMV, Zen 4: Q5_0/Q5_1 ~50 → ~70 GB/s, Q5_K ~40 → ~50;
+// docs/performance.md).
+QKV_AVX512_VNNI inline __m512i AddIfBit512(__m512i q, const uint8_t* p, int from, char v) {
+  const __mmask64 k = _mm512_test_epi8_mask(Row512(p), _mm512_set1_epi8(static_cast<char>(1 << from)));
+  return _mm512_mask_add_epi8(q, k, q, _mm512_set1_epi8(v));
 }
-// Its half h (32 bits) as bytes `v` or 0.
-inline __m256i Fifth256(const uint8_t* p, int h, char v = 0x10) {
-  uint32_t x;
-  std::memcpy(&x, p + 4 * h, 4);
-  const __m256i rep =
-      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)),
-                          _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(v));
+inline __m256i BitOfBytes256(const uint8_t* p, int h, int from, int to) {
+  const __m256i v = Row256(p, h);
+  const __m256i b = from >= to ? _mm256_srli_epi16(v, from - to) : _mm256_slli_epi16(v, to - from);
+  return _mm256_and_si256(b, _mm256_set1_epi8(static_cast<char>(1 << to)));
 }
 // The IQ4 codebook: plus 128 (unsigned, AVX-512) or as is (signed, AVX2).
 QKV_AVX512_VNNI inline __m512i Iq4Book512(__m512i idx) {
@@ -71,20 +71,20 @@ inline __m256 Byte256(__m256i v, int i) {
 // quad t (values 4t..4t+3 of the sub-block): the weights as bytes (W512: unsigned w + kBias; W256: unsigned
 // w + kBias, or signed w where kSigned2), the scale of the sub-block (or of its half for kPer16) and, where
 // kOff, the offset (value = scale × q − offset, DecodeRowI8's view). Chunks(c, f) lists where the file's
-// bytes of row c go: f(file offset, panel offset, bytes); Masks(c, f) the fifth bits: f(file byte, bit,
-// panel byte of the 64-bit mask, bit in it).
+// bytes of row c go: f(file offset, panel offset, bytes); Masks(c, f) the bits that move one by one (fifth
+// bits, Q3_K's scales): f(file byte, bit, panel byte, bit in it).
 //
 // Layouts (offsets in the panel block):
 //   Q4_0, IQ4_NL  d[16] f16 @0; 4 quant rows @32 (low nibbles: values 0-15 by quad, high: 16-31)
-//   Q5_0          d @0; fifth-bit masks by quad @32 (8 × 8 bytes); 4 quant rows @96
+//   Q5_0          d @0; the fifth bits as a row @32 (byte 4c + i, bit t: value 4t + i of row c); 4 quant rows @96
 //   Q8_0          d @0; 8 quant rows @32
 //   Q4_1          d @0; m[16] f16 @32; 4 quant rows @64
-//   Q5_1          d @0; m @32; masks @64; 4 quant rows @128
+//   Q5_1          d @0; m @32; the fifth bits' row @64; 4 quant rows @128
 //   Q4_K          d @0; dmin @32; the 12 scale bytes as 3 rows of dwords @64; qs: per pair p of sub-blocks
 //                 8 rows @256 + 512p (low nibbles sub-block 2p, high 2p + 1)
-//   Q5_K          as Q4_K up to 256; then per pair p of sub-blocks @256 + 640p: the masks of sub-block 2p by
-//                 quad (8 × 8 bytes), those of 2p + 1 @64, the pair's 8 qs rows @128 (the order in which the
-//                 decode tile, Pair512, reads them)
+//   Q5_K          as Q4_K up to 256; then per pair p of sub-blocks @256 + 640p: the fifth bits' row of
+//                 sub-block 2p (as Q5_0's), that of 2p + 1 @64, the pair's 8 qs rows @128 (the order in which
+//                 the decode tile, Pair512, reads them)
 //   Q6_K          d @0; the 16 int8 scales as 16 rows of 16 bytes @32; per half h (sub-blocks 4h + s, s < 4)
 //                 @288 + 1536h, per quad t @192t: the ql row of s & 1 = 0, the qh row, the ql row of s & 1 = 1
 //                 (low nibbles s < 2, high s ≥ 2): the order in which the decode tile reads them (Q6Half512:
@@ -113,8 +113,8 @@ struct ScaleMin32 : Scale32 {
   }
 };
 // The 32-value types with 4-bit codes (Q4_0, Q4_1, Q5_0, Q5_1): in the file, d (and m) first, the fifth bits
-// as 32 bits at kFileQh (0: none), the nibbles at kFileQs; in the panel block, the masks at kMask and the 4
-// quant rows at kQuant.
+// as 32 bits at kFileQh (0: none), the nibbles at kFileQs; in the panel block, the fifth bits' row at kMask and
+// the 4 quant rows at kQuant.
 template <int kBytes, int kBias_, int kFileQh, int kFileQs, int kMask, int kQuant, class S>
 struct Block32 : S {
   static constexpr int kValues = 32, kBlockBytes = kBytes, kBias = kBias_, kMaxU = kMask != 0 ? 31 : 15;
@@ -129,19 +129,19 @@ struct Block32 : S {
   template <class F>
   static void Masks(int c, F f) {
     if constexpr (kMask != 0) {
-      for (int v = 0; v < 32; ++v) f(kFileQh + v / 8, v % 8, kMask + 8 * (v / 4), 4 * c + v % 4);
+      for (int v = 0; v < 32; ++v) f(kFileQh + v / 8, v % 8, kMask + 4 * c + v % 4, v / 4);
     }
   }
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int, int t) {
     const __m512i v = Row512(d + kQuant + 64 * (t % 4));
     const __m512i q = t < 4 ? Lo4x64(v) : Hi4x64(v);
-    if constexpr (kMask != 0) return _mm512_or_si512(q, Fifth512(d + kMask + 8 * t));
+    if constexpr (kMask != 0) return AddIfBit512(q, d + kMask, t, 0x10);
     return q;
   }
   static __m256i W256(const uint8_t* d, int, int t, int h) {
     const __m256i v = Row256(d + kQuant + 64 * (t % 4), h);
     const __m256i q = t < 4 ? Lo4x32(v) : Hi4x32(v);
-    if constexpr (kMask != 0) return _mm256_or_si256(q, Fifth256(d + kMask + 8 * t, h));
+    if constexpr (kMask != 0) return _mm256_or_si256(q, BitOfBytes256(d + kMask, h, t, 4));
     return q;
   }
 };
@@ -239,9 +239,9 @@ struct Q4_KP {
 struct Q5_KP : Q4_KP {
   static constexpr int kBlockBytes = 176, kMaxU = 31;
   static constexpr int kPrefetchStep = kPanelRows * kBlockBytes;  // one ask a panel block (see PrefetchAhead)
-  // Panel offsets of qs row t of pair p and of the masks of quad t of sub-block j (the layout above).
+  // Panel offsets of qs row t of pair p and of the fifth bits' row of sub-block j (the layout above).
   static constexpr int Qs(int p, int t) { return 256 + 640 * p + 128 + 64 * t; }
-  static constexpr int Mask(int j, int t) { return 256 + 640 * (j / 2) + 64 * (j % 2) + 8 * t; }
+  static constexpr int Mask(int j) { return 256 + 640 * (j / 2) + 64 * (j % 2); }
   template <class F>
   static void Chunks(int c, F f) {
     f(0, 2 * c, 2);
@@ -254,16 +254,16 @@ struct Q5_KP : Q4_KP {
   template <class F>
   static void Masks(int c, F f) {
     for (int j = 0; j < 8; ++j)
-      for (int l = 0; l < 32; ++l) f(16 + l, j, Mask(j, l / 4), 4 * c + l % 4);
+      for (int l = 0; l < 32; ++l) f(16 + l, j, Mask(j) + 4 * c + l % 4, l / 4);
   }
   // The fifth bit goes above the nibble (0x10), so the high nibbles are shifted down here, with the plain scale.
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
     const __m512i v = Row512(d + Qs(j / 2, t));
-    return _mm512_or_si512(j % 2 ? Hi4x64(v) : Lo4x64(v), Fifth512(d + Mask(j, t)));
+    return AddIfBit512(j % 2 ? Hi4x64(v) : Lo4x64(v), d + Mask(j), t, 0x10);
   }
   static __m256i W256(const uint8_t* d, int j, int t, int h) {
     const __m256i v = Row256(d + Qs(j / 2, t), h);
-    return _mm256_or_si256(j % 2 ? Hi4x32(v) : Lo4x32(v), Fifth256(d + Mask(j, t), h));
+    return _mm256_or_si256(j % 2 ? Hi4x32(v) : Lo4x32(v), BitOfBytes256(d + Mask(j), h, t, 4));
   }
   QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int) {
     return _mm512_mul_ps(F16x16(d), ScaleByte512(d, j));
@@ -291,9 +291,9 @@ struct Q6_KP {
   // The values of sub-block 4h + s from its ql row l and the qh row: nibble | (bits 2s, 2s + 1 of the qh
   // byte) << 4. The qh bits go straight to bits 4-5 by one 16-bit shift (none for s = 2) and are masked there
   // (what the shift carries across a byte lands outside 0x30): one operation a quad fewer than shifting down,
-  // masking and shifting up; a hot 2-thread Q6_K GEMV went from 77 to 90 GB/s (Zen 4). Tile256 does not
-  // unroll its sub-blocks, so s is not a constant there and W256 keeps the shift by a count (the constant
-  // shifts chosen at run time read 41 GB/s against 50).
+  // masking and shifting up; a hot 2-thread Q6_K GEMV went from 77 to 90 GB/s (Zen 4). W256 does the same
+  // since Tile256 unrolls its sub-blocks (while it did not, s was no constant there and the shifts chosen at
+  // run time read 41 GB/s against 50 for a shift by a count).
   QKV_AVX512_VNNI static __m512i Value512(__m512i l, __m512i qh, int s) {
     const __m512i q = s == 0   ? _mm512_slli_epi16(qh, 4)
                       : s == 1 ? _mm512_slli_epi16(qh, 2)
@@ -309,8 +309,11 @@ struct Q6_KP {
     const int hh = j / 4, s = j % 4;
     const __m256i l = Row256(d + Ql(hh, s & 1, t), h);
     const __m256i qh = Row256(d + Qh(hh, t), h);
-    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
-    return _mm256_or_si256(s >> 1 ? Hi4x32(l) : Lo4x32(l), _mm256_slli_epi16(hi, 4));
+    const __m256i q = s == 0   ? _mm256_slli_epi16(qh, 4)
+                      : s == 1 ? _mm256_slli_epi16(qh, 2)
+                      : s == 2 ? qh
+                               : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(s >> 1 ? Hi4x32(l) : Lo4x32(l), _mm256_and_si256(q, _mm256_set1_epi8(0x30)));
   }
   // Scale of the half (16 values) `half` of sub-block j: d × the int8 scale of group 2j + half.
   QKV_AVX512_VNNI static __m512 Sc512(const uint8_t* d, int j, int half) {
@@ -440,26 +443,14 @@ struct Q3_KP {
       }
   }
   // The high bits: hmask[4t .. 4t + 3] of the 16 rows as the row of quad t (@224 + 64t), the file's bytes;
-  // bit j of each byte (sub-block j) shifted to bit 2 (4 when set). Two operations where the 64-bit masks of
-  // Q5_K (Fifth) take a mask load and a masked move on AVX-512 and four on AVX2: the same speed on AVX-512,
-  // and on AVX2 with the sub-blocks unrolled 24 → 30 GB/s where the masks fell to 13-17 (docs/performance.md).
-  QKV_AVX512_VNNI static __m512i High512(const uint8_t* d, int j, int t) {
-    const __m512i v = Row512(d + 224 + 64 * t);
-    const __m512i b =
-        j >= 2 ? _mm512_srl_epi16(v, _mm_cvtsi32_si128(j - 2)) : _mm512_sll_epi16(v, _mm_cvtsi32_si128(2 - j));
-    return _mm512_and_si512(b, _mm512_set1_epi8(4));
-  }
-  static __m256i High256(const uint8_t* d, int j, int t, int h) {
-    const __m256i v = Row256(d + 224 + 64 * t, h);
-    const __m256i b =
-        j >= 2 ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(j - 2)) : _mm256_sll_epi16(v, _mm_cvtsi32_si128(2 - j));
-    return _mm256_and_si256(b, _mm256_set1_epi8(4));
-  }
+  // bit j of each byte (sub-block j) adds 4 (AddIfBit512, BitOfBytes256). Against 64-bit masks by sub-block and quad:
+  // the same speed on AVX-512, and on AVX2 with the sub-blocks unrolled 24 → 30 GB/s where the masks fell to
+  // 13-17 (docs/performance.md).
   QKV_AVX512_VNNI static __m512i W512(const uint8_t* d, int j, int t) {
-    return _mm512_or_si512(Q2_KP::Crumbs512(d + 736, j, t), High512(d, j, t));
+    return AddIfBit512(Q2_KP::Crumbs512(d + 736, j, t), d + 224 + 64 * t, j, 4);
   }
   static __m256i W256(const uint8_t* d, int j, int t, int h) {
-    return _mm256_or_si256(Q2_KP::Crumbs256(d + 736, j, t, h), High256(d, j, t, h));
+    return _mm256_or_si256(Q2_KP::Crumbs256(d + 736, j, t, h), BitOfBytes256(d + 224 + 64 * t, h, j, 2));
   }
   // Group g = 2j + half, u − 32 as the signed 6-bit field: the fields' top bits flipped (u ^ 32), then shifted
   // up to bit 31 and arithmetically down; group 15 from its three 2-bit pieces (the top one signed).
@@ -602,9 +593,9 @@ QKV_AVX512_VNNI inline __attribute__((always_inline)) void Q6Half512(const uint8
 
 // Q5_K at decode (R ≤ 2): sub-blocks 2p and 2p + 1 of panel block d (their values come from the same qs rows)
 // quad by quad, each row loaded once for both, the integer sums as Tile512's (two chains, quads 0-3 and 4-7),
-// the float steps in its order, so the bits are Tile512's. With Q5_K's masks of both sub-blocks ahead of the rows, the
-// pair's bytes are read front to back at an even pace, not 576 bytes by sub-block 2p and 64 by 2p + 1: a cold 32000 ×
-// 1024 Q5_K GEMV read 0.83 → 0.94 of the stream in the Zen 4's high-bandwidth state (0.98 → 0.99 in the usual one).
+// the float steps in its order, so the bits are Tile512's. With Q5_K's fifth bits of both sub-blocks ahead of the rows,
+// the pair's bytes are read front to back at an even pace, not 576 bytes by sub-block 2p and 64 by 2p + 1: a cold 32000
+// × 1024 Q5_K GEMV read 0.83 → 0.94 of the stream in the Zen 4's high-bandwidth state (0.98 → 0.99 in the usual one).
 // Q4_K gained nothing from the same loop (docs/performance.md), so it keeps Tile512's.
 template <class P, int R>
 QKV_AVX512_VNNI inline __attribute__((always_inline)) void Pair512(const uint8_t* d, int p, const uint8_t* rows,

@@ -10,8 +10,8 @@
 // bound quantized decode. The order never depends on M, the other rows or the thread, and every level runs
 // the same exact integer sums and the same float operations: the same bits at AVX2 and AVX-512 VNNI. The
 // bytes are the file's, reordered (16 × a block's bytes per panel block; scales gathered into rows, fifth
-// and high bits into 64-bit masks by quad, Q3_K's 6-bit scales regrouped bit by bit); nothing is added. The layout of
-// each type is in quant_panel.cc.
+// bits into rows by quad, Q3_K's 6-bit scales regrouped bit by bit); nothing is added. The layout of each type
+// is in quant_panel.cc.
 #pragma once
 
 #include <cstddef>
