@@ -758,7 +758,7 @@ void Tile256(const uint8_t* panel, int h0, int k, const uint8_t* rows, const uin
   for (int sb = 0; sb < k / P::kValues; ++sb) {
     const uint8_t* d = panel + sb * PB;
     // The sub-blocks unrolled, as on AVX-512: the shift counts and offsets become constants (hot 2-thread GEMV
-    // at AVX2, Zen 4: Q3_K 24 → 30 GB/s, Q6_K 49-51 → 57-58, Q5_K 33.5 → 38, Q4_K 57 → 60-62, Q2_K 29 → 31-32).
+    // at AVX2, Zen 4: Q3_K 24 → 30 GB/s, Q6_K 49-51 → 57-58, Q5_K 33.5 → 38, Q2_K 29 → 31-32, Q4_K ~58 both).
     if constexpr (R == 1) PrefetchAhead<PB, P::kPrefetchStep>(d);
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
