@@ -17,16 +17,18 @@ constexpr int P = PackedWeights::kPanel;
 // streams of K × 32 (bf16) or × 64 (f32) bytes, some KiB to some tens of KiB each, which the hardware
 // prefetcher alone follows at ~80% of the bandwidth on a Zen 5. Each such tile asks for every panel's line
 // Ahead(NP) bytes on as it reads one (8 KiB ahead in all, at most 4 KiB per stream; 4 and 16 KiB in all
-// measured slower): bf16 MoE decode at the avx2 level +8-17% (docs/performance.md). The AVX-512 FMA tiles (8
-// panels of 64 bytes a step) measured 2-6% slower with the same asking, so they do without; the bf16 form's
-// tiles ask into L2 instead (kDotAhead, below). Past a panel's
-// end the line is the next panel's, read next or by the next tile; prefetches never fault.
+// measured slower): bf16 MoE decode at the avx2 level +8-17% (docs/performance.md). The asks go into L2 (T1),
+// as the bf16 form's and the quantized tiles' do: into L1 (T0) they took the miss buffers the tile's own loads
+// wait on, and on a Zen 4 (2 vCPUs) bf16 MoE decode at the avx2 level ran at a median ~81% of the roofline
+// against ~88% into L2 (dense ~88% both; 2 KiB in all measured the same as 8, within the noise). The AVX-512 FMA
+// tiles (8 panels of 64 bytes a step) measured 2-6% slower with the same asking, so they do without. Past a
+// panel's end the line is the next panel's, read next or by the next tile; prefetches never fault.
 constexpr size_t Ahead(int np) { return std::min<size_t>(4096, 8192 / np); }
 template <int MR, int NP>
 inline void PrefetchPanels(const void* w, size_t pstride_bytes) {
   if constexpr (MR <= 2) {
 #pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) _mm_prefetch(static_cast<const char*>(w) + j * pstride_bytes + Ahead(NP), _MM_HINT_T0);
+    for (int j = 0; j < NP; ++j) _mm_prefetch(static_cast<const char*>(w) + j * pstride_bytes + Ahead(NP), _MM_HINT_T1);
   }
 }
 
