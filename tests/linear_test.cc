@@ -11,7 +11,9 @@
 #include <random>
 
 #include "engine/bf16.h"
+#include "engine/kernels/amx_gemm.h"
 #include "engine/kernels/cpu.h"
+#include "engine/kernels/weights_arena.h"
 #include "tests/test_util.h"
 
 namespace qkv {
@@ -295,6 +297,35 @@ TEST(Linear, Bf16DotFormRowsAreIndependentOfMAndMatchTheBf16Product) {
 }
 
 // Below kernel level amx the AMX GEMM is not chosen, and forcing it is refused with a message naming the level.
+// The AMX GEMM's weight layout (amx_gemm.h) and where it lives, on any CPU (packing needs no AMX): each
+// value at its place, zeros in the padding (K to whole chunks, columns to whole panels), the bytes in the
+// arena it was given.
+TEST(Linear, AmxWeightsLayoutInTheArena) {
+  const int n = 40, k = 70;  // 3 panels (the last half empty), 3 chunks (the last 6 of 32)
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> w(static_cast<size_t>(n) * k), b(n);
+  for (auto* v : {&w, &b})
+    for (auto& x : *v) x = u(rng);
+  auto arena = std::make_shared<WeightsArena>(false);
+  const AmxWeights amx(w.data(), b.data(), n, k, arena);
+  EXPECT_EQ(amx.arena(), arena.get());
+  const size_t packed = size_t{3} * 3 * AmxWeights::kTileRows * AmxWeights::kChunk * sizeof(uint16_t);
+  EXPECT_EQ(arena->used_bytes(), packed);
+  EXPECT_EQ(amx.bytes(), packed + sizeof(float) * 48);
+  int wrong = 0;
+  for (int c = 0; c < 48; ++c)
+    for (int kk = 0; kk < 96; ++kk) {
+      const uint16_t want = c < n && kk < k ? F32ToBf16(w[static_cast<size_t>(c) * k + kk]) : 0;
+      wrong += amx.Weight(c, kk) != want;
+    }
+  EXPECT_EQ(wrong, 0);
+  const AmxWeights heap(w.data(), nullptr, n, k);
+  EXPECT_EQ(heap.arena(), nullptr);
+  EXPECT_EQ(heap.bytes(), packed);
+  EXPECT_EQ(heap.Weight(n - 1, k - 1), amx.Weight(n - 1, k - 1));
+}
+
 TEST(Linear, AmxOnlyAtKernelLevelAmx) {
   testing::KernelLevelGuard guard;
   SetKernelIsaForTesting(KernelIsa::kAvx512Vnni);

@@ -116,20 +116,28 @@ size_t AmxWeights::TileOffset(int panel, int chunk) const {
          kTileElems;
 }
 
-AmxWeights::AmxWeights(const float* w, const float* bias, int n, int k) : n_(n), k_(k) {
-  w_.assign(static_cast<size_t>(panels()) * chunks() * kTileElems, 0);
+AmxWeights::AmxWeights(const float* w, const float* bias, int n, int k, std::shared_ptr<WeightsArena> arena)
+    : n_(n), k_(k) {
+  w_ = WeightsBuffer(std::move(arena), static_cast<size_t>(panels()) * chunks() * kTileElems * sizeof(uint16_t));
+  std::memset(w_.data(), 0, w_.size());  // K past k and columns past n stay 0
+  auto* const w16 = reinterpret_cast<uint16_t*>(w_.data());
   for (int c = 0; c < n; ++c) {
     const int p = c / P, col = c % P;
     for (int kk = 0; kk < k; ++kk) {
       const int ch = kk / C, pair = (kk % C) / 2, half = kk % 2;
       const size_t at = TileOffset(p, ch) + pair * C + col * 2 + half;
-      w_[at] = F32ToBf16(w[static_cast<size_t>(c) * k + kk]);
+      w16[at] = F32ToBf16(w[static_cast<size_t>(c) * k + kk]);
     }
   }
   if (bias) {
     bias_.assign(static_cast<size_t>(panels()) * P, 0.0f);
     std::memcpy(bias_.data(), bias, sizeof(float) * n);
   }
+}
+
+uint16_t AmxWeights::Weight(int c, int kk) const {
+  const int p = c / P, col = c % P, ch = kk / C, pair = (kk % C) / 2, half = kk % 2;
+  return w()[TileOffset(p, ch) + pair * C + col * 2 + half];
 }
 
 void AmxWeights::PackRows(const float* x, int ldx, int m, int k, int tile0, int tile1, uint16_t* out) {
@@ -164,7 +172,7 @@ void AmxWeights::Compute(const uint16_t* rows, int m, int group0, int group1, fl
   alignas(64) float out[2 * R * kGroup * P];  // the largest block: 2 M tiles x a group
   auto block = [&](int mt, int nm, int g) {
     const int p = g * kGroup, np = std::min(kGroup, panels() - p);
-    Pick(nm, np)(rows + mt * a_stride, a_stride, w_.data() + TileOffset(p, 0), kc, out);
+    Pick(nm, np)(rows + mt * a_stride, a_stride, w() + TileOffset(p, 0), kc, out);
     const int r0 = mt * R, nr = std::min(nm * R, m - r0);
     const int c0 = p * P, nc = std::min(np * P, n_ - c0);
     for (int r = 0; r < nr; ++r) {

@@ -19,21 +19,28 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "engine/kernels/weights_arena.h"
 
 namespace qkv {
 
 class AmxWeights {
  public:
   static constexpr int kPanel = 16, kChunk = 32, kTileRows = 16, kGroup = 2;
-  // w: [n, k] row-major f32 (rounded to bf16); bias: n values or nullptr.
-  AmxWeights(const float* w, const float* bias, int n, int k);
+  // w: [n, k] row-major f32 (rounded to bf16); bias: n values or nullptr. The packed weights go into the
+  // arena if there is one (huge pages, counted with the model's other GEMM weights), else operator new.
+  AmxWeights(const float* w, const float* bias, int n, int k, std::shared_ptr<WeightsArena> arena = nullptr);
   int n() const { return n_; }
   int k() const { return k_; }
   int panels() const { return (n_ + kPanel - 1) / kPanel; }
   int groups() const { return (panels() + kGroup - 1) / kGroup; }
   int chunks() const { return (k_ + kChunk - 1) / kChunk; }
-  size_t bytes() const { return w_.size() * 2 + bias_.size() * 4; }
+  size_t bytes() const { return w_.size() + bias_.size() * 4; }
+  // The bf16 bits stored for column c and index kk of K (the layout above; 0 in the padding).
+  uint16_t Weight(int c, int kk) const;
+  const WeightsArena* arena() const { return w_.arena(); }
   // bf16 elements PackRows writes for m rows.
   static size_t PackedRowsSize(int m, int k) {
     return static_cast<size_t>((m + kTileRows - 1) / kTileRows) * ((k + kChunk - 1) / kChunk) * kTileRows * kChunk;
@@ -47,7 +54,8 @@ class AmxWeights {
  private:
   size_t TileOffset(int panel, int chunk) const;
   int n_, k_;
-  std::vector<uint16_t> w_;  // [panel][chunk][16][16][2]
+  const uint16_t* w() const { return reinterpret_cast<const uint16_t*>(w_.data()); }
+  WeightsBuffer w_;          // bf16 [panel][chunk][16][16][2]
   std::vector<float> bias_;  // padded to whole panels, or empty
 };
 

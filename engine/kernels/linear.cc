@@ -199,7 +199,7 @@ StatusOr<std::unique_ptr<Linear>> Linear::Create(GemmRuntime& rt, const float* w
     for (int t = 0; t <= nthr; ++t) lin->panel_bounds_[t] = static_cast<int>(static_cast<int64_t>(panels) * t / nthr);
   };
   if (amx && (forced == GemmBackend::kAmx || (!forced && dt == DType::kBF16))) {
-    lin->amx_ = std::make_unique<AmxWeights>(w, bias, n, k);
+    lin->amx_ = std::make_unique<AmxWeights>(w, bias, n, k, rt.weights_arena());
     lin->weight_bytes_ = lin->amx_->bytes();
     split(lin->amx_->groups());
     rt.NoteLayer("amx bf16 x bf16", DType::kF32, DType::kBF16);

@@ -66,7 +66,7 @@ class GemmRuntime {
   ~GemmRuntime();
   int n_threads() const { return n_threads_; }
   const dnnl::engine& engine() const { return engine_; }
-  // Where the model's weights live (weights_arena.h): quantized, packed and oneDNN's (AMX: the heap).
+  // Where the model's weights live (weights_arena.h): quantized, packed, AMX and oneDNN's.
   const std::shared_ptr<WeightsArena>& weights_arena() const { return weights_arena_; }
 
   struct Prim {
