@@ -296,7 +296,6 @@ TEST(Linear, Bf16DotFormRowsAreIndependentOfMAndMatchTheBf16Product) {
   std::printf("kernel level avx512_bf16: bf16 form checked\n");
 }
 
-// Below kernel level amx the AMX GEMM is not chosen, and forcing it is refused with a message naming the level.
 // The AMX GEMM's weight layout (amx_gemm.h) and where it lives, on any CPU (packing needs no AMX): each
 // value at its place, zeros in the padding (K to whole chunks, columns to whole panels), the bytes in the
 // arena it was given.
@@ -326,6 +325,7 @@ TEST(Linear, AmxWeightsLayoutInTheArena) {
   EXPECT_EQ(heap.Weight(n - 1, k - 1), amx.Weight(n - 1, k - 1));
 }
 
+// Below kernel level amx the AMX GEMM is not chosen, and forcing it is refused with a message naming the level.
 TEST(Linear, AmxOnlyAtKernelLevelAmx) {
   testing::KernelLevelGuard guard;
   SetKernelIsaForTesting(KernelIsa::kAvx512Vnni);
