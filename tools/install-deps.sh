@@ -9,7 +9,7 @@ PKGS=(
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev
   prometheus-cpp-dev libcivetweb-dev libssl-dev libcli11-dev nlohmann-json3-dev libpcre2-dev
   python3 python3-numpy python3-torch python3-grpcio python3-protobuf python3-regex libopenblas0-openmp curl
-  bible-kjv prometheus nginx python3-yaml docker-compose openssl
+  bible-kjv prometheus nginx python3-yaml docker-compose openssl qemu-user
 )
 # Node.js runs the foreign-client test. Machines of this kind ship it (with npm) from NodeSource; Debian's
 # own nodejs/npm are only installed where there is none, since Debian's npm conflicts with NodeSource's.
