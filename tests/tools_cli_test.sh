@@ -66,6 +66,9 @@ grep -q "blk.0.attn_q.weight *f32 *-> q5_0" "$tmp/q.txt" || fail "Q4_K_M on 64-w
 [ $(stat -c %s "$tmp/q.gguf") -lt $(( $(stat -c %s "$tmp/f.gguf") / 3 )) ] || fail "quantized file is not smaller"
 log=$("$bin/qkv-run" --model "$tmp/q.gguf" --tokens 1,2,3 -n 4 --temperature 0 --log-level info 2>&1)
 grep -q "(quantized)" <<<"$log" || fail "the quantized file was not run quantized: $log"
+# stdout is the generated text alone: the log lines go to stderr.
+out=$("$bin/qkv-run" --model "$tmp/q.gguf" --tokens 1,2,3 -n 4 --temperature 0 --log-level info 2>/dev/null)
+grep -q "\[info\]" <<<"$out" && fail "qkv-run's log lines are on stdout: $out"
 expect_error "same file" "$bin/qkv-model" quantize "$tmp/q.gguf" "$tmp/q.gguf" --type Q8_0
 expect_error "must be one of" "$bin/qkv-model" quantize "$tmp/f.gguf" "$tmp/q2.gguf" --type Q4_K_X
 # MLA (deepseek2): random writes what llama.cpp loads, info reports the latent cache, cache = no-cache, and the

@@ -7,6 +7,9 @@
 //     reads one JSON string per line and prints one JSON array of ids per line (--decode: the reverse)
 //   qkv-model plan --config CONFIG.json [--memory SIZE] [--context N] [--dtype bf16|f16|f32|int8] [--json]
 //   qkv-model cpu
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
@@ -244,6 +247,8 @@ int PlanMain(const std::string& config, const std::string& memory, int64_t conte
 }
 
 int main(int argc, char** argv) {
+  // stdout carries what the tool makes (text, JSON, model info): the engine's log lines go to stderr.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("qkv"));
   CLI::App app{"qkv-model: make and inspect qkvserve model files"};
   app.require_subcommand(1);
   auto* random = app.add_subcommand("random", "write a random-weight model from a Hugging Face config.json");

@@ -4,6 +4,7 @@
 // --no-cache recomputes the whole prefix at every step; --logits writes the teacher-forced logits of
 // every prompt position as little-endian float32 [positions × vocab].
 #include <omp.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -62,6 +63,8 @@ qkv::Status Prefill(qkv::Model& m, qkv::CacheStores& cache, qkv::KvBlockPool& po
 }  // namespace
 
 int main(int argc, char** argv) {
+  // stdout carries what the tool makes (text, JSON, model info): the engine's log lines go to stderr.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("qkv"));
   CLI::App app{"qkv-run: generate text from a GGUF model"};
   std::string model, prompt, token_list, logits_out, gen_logits_out, weights_dtype = "auto", kv_dtype = "bf16";
   int n_predict = 32, threads = 2, max_batch = 512, max_ctx = 0;
