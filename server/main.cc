@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "engine/capacity_plan.h"
+#include "engine/kernels/cpu.h"
 #include "server/api_keys.h"
 #include "server/http.h"
 #include "server/metrics.h"
@@ -218,7 +219,9 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(0.0, 315360000.0));
   app.add_option("--ready-file", f.ready_file,
                  "write {\"grpc\": ADDR, \"metrics\": ADDR, \"http\": ADDR or null, \"pid\": N} here once ready");
-  app.add_option("--threads", f.threads, "compute threads (default: the number of cores)");
+  app.add_option(
+      "--threads", f.threads,
+      "compute threads (default: the CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota)");
   app.add_option("--weights-dtype", f.weights_dtype,
                  "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
       ->capture_default_str();
@@ -311,7 +314,7 @@ qkv::StatusOr<qkv::ModelOptions> ModelOptionsFrom(const Flags& f) {
   mo.weights_dtype = wd->dtype;
   mo.keep_quantized = wd->keep_quantized;
   mo.kv_dtype = *kd;
-  mo.n_threads = f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  mo.n_threads = qkv::ComputeThreads(f.threads);
   mo.max_batch_tokens = f.max_batched;
   // Logits are rows × vocab floats (65.5 MB for 512 rows of 32,000, 311 MB of 152,000): a step wants one row
   // per sequence, and only prompt logprobs want more, so 128 rows serve it at the same GEMM tile.

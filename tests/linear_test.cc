@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "engine/bf16.h"
@@ -129,6 +131,74 @@ TEST(Linear, KvPrefetchEnvIsValidated) {
   ASSERT_FALSE(lin.ok());
   EXPECT_NE(lin.status().message().find("QKV_KV_PREFETCH must be l1 or l2, got 'L3'"), std::string::npos)
       << lin.status().message();
+}
+
+// The compute team's default size (kernels/cpu.h): the affinity mask's CPUs capped by the cgroup's CPU quota,
+// read from a cgroup tree laid out in a temporary directory as v2 and v1 mount it.
+class CgroupTree {
+ public:
+  CgroupTree() {
+    char tmpl[] = "/tmp/qkv-cgroup.XXXXXX";
+    root_ = mkdtemp(tmpl);
+  }
+  ~CgroupTree() { std::filesystem::remove_all(root_); }
+  void Write(const std::string& rel, const std::string& text) {
+    const std::filesystem::path p = std::filesystem::path(root_) / rel;
+    std::filesystem::create_directories(p.parent_path());
+    std::ofstream(p) << text << "\n";
+  }
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
+};
+
+TEST(Cpu, CgroupV2QuotaIsTheTightestOnTheWayUp) {
+  CgroupTree t;
+  EXPECT_EQ(CgroupCpuQuota("0::/a/b\n", t.root()), 0.0);  // no cpu.max anywhere: no quota
+  t.Write("cpu.max", "max 100000");
+  t.Write("a/cpu.max", "200000 100000");
+  t.Write("a/b/cpu.max", "max 100000");
+  EXPECT_DOUBLE_EQ(CgroupCpuQuota("0::/a/b\n", t.root()), 2.0);  // the parent's limit holds for the child
+  t.Write("a/b/cpu.max", "50000 100000");
+  EXPECT_DOUBLE_EQ(CgroupCpuQuota("0::/a/b\n", t.root()), 0.5);
+  // A path the cgroup namespace hides, or one that climbs out of the mount: the walk starts at the root.
+  t.Write("cpu.max", "300000 100000");
+  EXPECT_DOUBLE_EQ(CgroupCpuQuota("0::/not/here\n", t.root()), 3.0);
+  EXPECT_DOUBLE_EQ(CgroupCpuQuota("0::/../../a/b\n", t.root()), 3.0);
+  EXPECT_DOUBLE_EQ(CgroupCpuQuota("0::/\n", t.root()), 3.0);
+  t.Write("cpu.max", "garbage");
+  EXPECT_EQ(CgroupCpuQuota("0::/\n", t.root()), 0.0);
+}
+
+TEST(Cpu, CgroupV1QuotaOfTheCpuController) {
+  CgroupTree t;
+  t.Write("cpu,cpuacct/cpu.cfs_quota_us", "-1");
+  t.Write("cpu,cpuacct/cpu.cfs_period_us", "100000");
+  t.Write("cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "150000");
+  t.Write("cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000");
+  const std::string hybrid = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n";
+  EXPECT_DOUBLE_EQ(CgroupCpuQuota(hybrid, t.root()), 1.5);
+  EXPECT_EQ(CgroupCpuQuota("3:cpu,cpuacct:/\n", t.root()), 0.0);       // -1: no quota
+  EXPECT_EQ(CgroupCpuQuota("4:memory:/docker/abc\n", t.root()), 0.0);  // no cpu controller listed
+  EXPECT_EQ(CgroupCpuQuota("", t.root()), 0.0);
+}
+
+TEST(Cpu, ThreadsAreTheAffinityMaskCappedByTheQuota) {
+  EXPECT_EQ(ThreadsFor(2, 0), 2);
+  EXPECT_EQ(ThreadsFor(2, 1.0), 1);
+  EXPECT_EQ(ThreadsFor(2, 1.2), 1);
+  EXPECT_EQ(ThreadsFor(2, 1.5), 2);
+  EXPECT_EQ(ThreadsFor(8, 2.5), 3);
+  EXPECT_EQ(ThreadsFor(1, 3.0), 1);
+  EXPECT_EQ(ThreadsFor(2, 0.3), 1);
+  EXPECT_EQ(ThreadsFor(0, 0), 1);
+  const CpuBudget b = AvailableCpus();
+  EXPECT_GE(b.affinity_cpus, 1);
+  EXPECT_LE(b.affinity_cpus, b.online_cpus);
+  EXPECT_EQ(b.threads, ThreadsFor(b.affinity_cpus, b.quota_cpus));
+  EXPECT_EQ(ComputeThreads(3), 3);  // asked for: kept (with a warning where it is more than the CPUs)
+  EXPECT_EQ(ComputeThreads(0), b.threads);
 }
 
 TEST(Linear, PackedBackendIsUsedWhenForced) {

@@ -112,4 +112,17 @@ expect_error "history 2000 + the measured turn's 68 tokens exceed the context of
 expect_error "temperature must be in" "$bin/qkv-bench-engine" --model "$tmp/m.gguf" --concurrency 1 --temperature -1
 expect_error "exceeds the context of 128 tokens" "$bin/qkv-bench-engine" --model "$tmp/m.gguf" --concurrency 1 --gen 500
 expect_error "\-\-gen: Value 0 not in range" "$bin/qkv-bench-engine" --model "$tmp/m.gguf" --gen 0
-echo "tools_cli: 32 passed, 0 failed"
+# The compute team's default size is the CPUs the process may use (kernels/cpu.h), not the machine's: one
+# under taskset -c 0, for qkv-run and for the server; more threads than that are kept, with a warning.
+log=$(taskset -c 0 "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1,2,3 -n 2 --temperature 0 --log-level info 2>&1 >/dev/null)
+grep -q "compute threads: 1, the CPUs this process may use (affinity mask: 1 of" <<<"$log" || fail "taskset -c 0 qkv-run: $log"
+log=$(taskset -c 0 "$bin/qkv-run" --model "$tmp/m.gguf" --tokens 1,2,3 -n 2 --temperature 0 --threads 2 2>&1 >/dev/null)
+grep -q "\-\-threads 2 is more than the 1 CPU(s) this process may use" <<<"$log" || fail "taskset -c 0 qkv-run --threads 2: $log"
+taskset -c 0 "$bin/qkvserve" --model "$tmp/m.gguf" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen "" \
+  --ready-file "$tmp/ready" > "$tmp/serve.log" 2>&1 &
+serve=$!
+for _ in $(seq 600); do [ -e "$tmp/ready" ] || ! kill -0 $serve 2>/dev/null && break; sleep 0.1; done
+kill $serve 2>/dev/null || true
+wait $serve 2>/dev/null || true
+grep -q "compute threads: 1, the CPUs this process may use" "$tmp/serve.log" || fail "taskset -c 0 qkvserve: $(cat "$tmp/serve.log")"
+echo "tools_cli: 35 passed, 0 failed"

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/block_manager.h"
+#include "engine/kernels/cpu.h"
 #include "engine/kernels/weights_arena.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
@@ -127,10 +128,12 @@ double Median(std::vector<double> v) {
 int main(int argc, char** argv) {
   CLI::App app{"qkv-bench: prefill and decode throughput of a model"};
   std::string model, baseline, weights_dtype = "auto", kv_dtype = "bf16";
-  int threads = 2, prompt = 512, gen = 128, reps = 3;
+  int threads = 0, prompt = 512, gen = 128, reps = 3;
   bool profile = false;
   app.add_option("--model", model, "GGUF model file")->required();
-  app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
+  app.add_option("--threads", threads, "compute threads (0: the CPUs this process may use)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 256));
   app.add_option("--prompt", prompt, "prompt tokens for the prefill measurement")
       ->capture_default_str()
       ->check(CLI::Range(1, 65536));
@@ -146,6 +149,7 @@ int main(int argc, char** argv) {
                  "another GGUF file, run right after the model in every repetition (decode ratio per repetition)");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
+  threads = qkv::ComputeThreads(threads);
   omp_set_num_threads(threads);
 
   qkv::ModelOptions mo;

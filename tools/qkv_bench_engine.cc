@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "engine/engine.h"
+#include "engine/kernels/cpu.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -68,10 +69,12 @@ Clock::time_point Drain(const std::shared_ptr<qkv::RequestStream>& s, int* token
 int main(int argc, char** argv) {
   CLI::App app{"qkv-bench-engine: batching, session and KV-efficiency figures"};
   std::string model;
-  int threads = 2, gen = 64, history = 2000;
+  int threads = 0, gen = 64, history = 2000;
   std::vector<int> conc = {1, 4, 16, 64};
   app.add_option("--model", model, "GGUF model file")->required();
-  app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
+  app.add_option("--threads", threads, "compute threads (0: the CPUs this process may use)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 256));
   app.add_option("--concurrency", conc, "concurrent sequences for the decode figure")
       ->delimiter(',')
       ->capture_default_str()
@@ -94,6 +97,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
+  threads = qkv::ComputeThreads(threads);
   omp_set_num_threads(threads);
   qkv::ModelOptions mo;
   auto kd = qkv::ParseKvDType(kv_dtype);

@@ -23,6 +23,7 @@
 
 #include "engine/capacity_plan.h"
 #include "engine/gguf.h"
+#include "engine/kernels/cpu.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/quantize.h"
@@ -306,7 +307,7 @@ int main(int argc, char** argv) {
   auto* quantize = app.add_subcommand(
       "quantize", "re-encode a model's weights with a llama-quantize preset (its per-tensor types and fallbacks)");
   std::string q_in, q_out, q_type;
-  int q_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int q_threads = qkv::AvailableCpus().threads;
   bool q_quiet = false;
   quantize->add_option("in", q_in, "input GGUF")->required();
   quantize->add_option("out", q_out, "output GGUF")->required();

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "engine/block_manager.h"
+#include "engine/kernels/cpu.h"
 #include "engine/model.h"
 #include "engine/output_processor.h"
 
@@ -67,7 +68,7 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("qkv"));
   CLI::App app{"qkv-run: generate text from a GGUF model"};
   std::string model, prompt, token_list, logits_out, gen_logits_out, weights_dtype = "auto", kv_dtype = "bf16";
-  int n_predict = 32, threads = 2, max_batch = 512, max_ctx = 0;
+  int n_predict = 32, threads = 0, max_batch = 512, max_ctx = 0;
   float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f, rep = 1.0f, presence = 0.0f, frequency = 0.0f;
   int top_k = 0;
   uint64_t seed = 0;
@@ -93,7 +94,9 @@ int main(int argc, char** argv) {
   auto* seed_opt = app.add_option("--seed", seed, "sampling seed (default: random)");
   app.add_option("--stop", stops, "stop string (repeatable); excluded from the output");
   app.add_flag("--ignore-eos", ignore_eos, "keep generating after EOS");
-  app.add_option("--threads", threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 256));
+  app.add_option("--threads", threads, "compute threads (0: the CPUs this process may use)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 256));
   app.add_option("--weights-dtype", weights_dtype, "auto (quantized tensors stay quantized, others bf16), bf16 or f32")
       ->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "bf16, f32 or int8")->capture_default_str();
@@ -121,6 +124,7 @@ int main(int argc, char** argv) {
   mo.weights_dtype = wd->dtype;
   mo.keep_quantized = wd->keep_quantized;
   mo.kv_dtype = *kd;
+  threads = qkv::ComputeThreads(threads);
   mo.n_threads = threads;
   mo.max_batch_tokens = max_batch;
   mo.max_context = max_ctx;

@@ -43,6 +43,33 @@ KernelIsa ActiveKernelIsa();
 // Test hook: sets the level for this process, at most the CPU's (tests/test_util.h restores it).
 void SetKernelIsaForTesting(KernelIsa isa);
 
+// The CPUs this process may use, which is what the compute team's size should be (a decoded token's
+// barriers spin for their team: two threads on one core decode the 0.4B benchmark model 2.6× slower than one;
+// docs/engine.md, "How many compute threads"). std::thread::hardware_concurrency() counts the online CPUs
+// and sees neither limit below.
+struct CpuBudget {
+  int online_cpus = 1;    // CPUs online in the machine (or the VM)
+  int affinity_cpus = 1;  // CPUs in the affinity mask (taskset, docker --cpuset-cpus, Kubernetes' static CPU manager)
+  double quota_cpus = 0;  // the tightest cgroup CPU quota (docker --cpus, Kubernetes CPU limits), in CPUs; 0: none
+  int threads = 1;        // ThreadsFor(affinity_cpus, quota_cpus)
+  // "affinity mask: 1 of 2 online CPUs; cgroup CPU quota: none"
+  std::string Describe() const;
+};
+CpuBudget AvailableCpus();
+// The compute team's size for a --threads flag: `requested` when > 0, else AvailableCpus().threads. Logs the
+// choice (info), and warns when `requested` is more than the CPUs this process may use.
+int ComputeThreads(int requested);
+// The affinity mask's CPUs, capped by the quota rounded to the nearest CPU, halves up; at least 1. Measured
+// on the 0.4B benchmark model (docs/engine.md): under a quota of 1 CPU two threads decode ~35% slower than
+// one; under 1.5 CPUs two threads prefill ~30% faster than one and decode within ~5% of it.
+int ThreadsFor(int affinity_cpus, double quota_cpus);
+// The tightest CPU quota of the cgroups on the way from this process's cgroup to the root, in CPUs (0: none).
+// `proc_self_cgroup` is /proc/self/cgroup's text and `root` where the hierarchy is mounted (/sys/fs/cgroup):
+// cgroup v2 (`0::/path`, cpu.max "quota period" or "max period") and v1 (the `cpu` controller's
+// cpu.cfs_quota_us and cpu.cfs_period_us, -1: none). Inside a container the path may not exist under `root`
+// (the cgroup namespace hides it): the walk then starts at `root`, which is the container's own cgroup.
+double CgroupCpuQuota(const std::string& proc_self_cgroup, const std::string& root);
+
 // Whether decode attention asks for its K/V lines into L2 (prefetcht1) rather than L1 (prefetcht0). Which is
 // faster depends on the core (docs/performance.md, "Decode prefetch into L2 on a Zen 4"): L2 on AMD Zen 4
 // (family 0x19 with AVX-512), where L1 asks filled the miss buffers the loads wait on; L1 elsewhere (measured on
