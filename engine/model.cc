@@ -13,25 +13,15 @@
 #include <set>
 
 #include "engine/bf16.h"
+#include "engine/cgroup.h"
 #include "engine/kernels/attention.h"
 
 namespace qkv {
 namespace {
 
-int64_t ReadInt64File(const char* path, int64_t fallback) {
-  std::ifstream in(path);
-  std::string v;
-  if (!(in >> v)) return fallback;
-  try {
-    return std::stoll(v);  // "max" (no limit) throws: the fallback
-  } catch (const std::exception&) {
-    return fallback;
-  }
-}
-
-// Memory this process may still use: MemAvailable, capped by the container's cgroup limit minus what the
-// cgroup already uses (v2: memory.max / memory.current; v1: memory.limit_in_bytes / memory.usage_in_bytes),
-// so that a pod under a Kubernetes limit sizes its KV cache from the limit, not from the host.
+// Memory this process may still use: MemAvailable, capped by the least any cgroup between the process's and
+// the root may still take (engine/cgroup.h: a container's limit, a systemd unit's MemoryMax=, a parent
+// slice's), so that a pod under a Kubernetes limit sizes its KV cache from the limit, not from the host.
 int64_t MemAvailableBytes() {
   std::ifstream in("/proc/meminfo");
   std::string key;
@@ -44,19 +34,7 @@ int64_t MemAvailableBytes() {
       break;
     }
   }
-  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
-  // QKV_CGROUP_ROOT replaces /sys/fs/cgroup (tests give a directory holding the files).
-  const char* root_env = std::getenv("QKV_CGROUP_ROOT");
-  const std::string root = root_env && *root_env ? root_env : "/sys/fs/cgroup";
-  int64_t limit = ReadInt64File((root + "/memory.max").c_str(), kNone);
-  int64_t used = ReadInt64File((root + "/memory.current").c_str(), 0);
-  if (limit == kNone) {
-    limit = ReadInt64File((root + "/memory/memory.limit_in_bytes").c_str(), kNone);
-    used = ReadInt64File((root + "/memory/memory.usage_in_bytes").c_str(), 0);
-    if (limit >= (int64_t{1} << 60)) limit = kNone;  // v1 reports "no limit" as a huge number
-  }
-  if (limit != kNone) avail = std::min(avail, std::max<int64_t>(limit - used, 0));
-  return avail;
+  return std::min(avail, CgroupMemoryHeadroom(ProcSelfCgroup(), CgroupRoot()));
 }
 
 }  // namespace

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "${1:-$(dirname "$0")/..}"
 layer_of() {
   case $1 in
-    engine/status.* | engine/cpu_guard.cc | engine/dtype.* | engine/bf16.* | engine/rng.* | engine/utf8.h | engine/quant.* | engine/linear_attn.h) echo base ;;
+    engine/status.* | engine/cpu_guard.cc | engine/cgroup.* | engine/dtype.* | engine/bf16.* | engine/rng.* | engine/utf8.h | engine/quant.* | engine/linear_attn.h) echo base ;;
     engine/capacity_plan.*) echo plan ;;
     engine/gguf.* | engine/quantize.* | engine/model_config.* | engine/tokenizer* | engine/unicode_nfc* | engine/chat_template.* | \
       engine/random_model.*) echo formats ;;

@@ -10,9 +10,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 
 #include "engine/bf16.h"
+#include "engine/cgroup.h"
 #include "engine/kernels/amx_gemm.h"
 #include "engine/kernels/cpu.h"
 #include "engine/kernels/weights_arena.h"
@@ -182,6 +184,33 @@ TEST(Cpu, CgroupV1QuotaOfTheCpuController) {
   EXPECT_EQ(CgroupCpuQuota("3:cpu,cpuacct:/\n", t.root()), 0.0);       // -1: no quota
   EXPECT_EQ(CgroupCpuQuota("4:memory:/docker/abc\n", t.root()), 0.0);  // no cpu controller listed
   EXPECT_EQ(CgroupCpuQuota("", t.root()), 0.0);
+}
+
+TEST(Cpu, CgroupMemoryHeadroomIsTheLeastOnTheWayUp) {
+  CgroupTree t;
+  EXPECT_EQ(CgroupMemoryHeadroom("0::/a/b\n", t.root()), std::numeric_limits<int64_t>::max());  // no limit
+  t.Write("memory.max", "max");                                                                 // v2
+  t.Write("a/memory.max", "1000");
+  t.Write("a/memory.current", "300");
+  t.Write("a/b/memory.max", "max");
+  t.Write("a/b/memory.current", "100");
+  EXPECT_EQ(CgroupMemoryHeadroom("0::/a/b\n", t.root()), 700);  // a systemd slice's limit over the unit
+  t.Write("a/b/memory.max", "500");
+  EXPECT_EQ(CgroupMemoryHeadroom("0::/a/b\n", t.root()), 400);
+  t.Write("a/b/memory.current", "900");
+  EXPECT_EQ(CgroupMemoryHeadroom("0::/a/b\n", t.root()), 0);  // over its limit: nothing left, not negative
+  EXPECT_EQ(CgroupMemoryHeadroom("0::/\n", t.root()), std::numeric_limits<int64_t>::max());
+  t.Write("memory/memory.limit_in_bytes", "9223372036854771712");  // v1: "no limit"
+  t.Write("memory/sys/memory.limit_in_bytes", "1000");
+  t.Write("memory/sys/memory.usage_in_bytes", "900");
+  EXPECT_EQ(CgroupMemoryHeadroom("4:memory:/sys\n0::/\n", t.root()), 100);
+  // No memory line: the mount alone (a container's own cgroup), which has no limit here.
+  EXPECT_EQ(CgroupMemoryHeadroom("0::/\n", t.root()), std::numeric_limits<int64_t>::max());
+  const auto dirs = CgroupDirs("4:memory:/sys\n", t.root(), "memory");
+  ASSERT_EQ(dirs.size(), 2u);
+  EXPECT_EQ(dirs[0].filename(), "sys");
+  EXPECT_EQ(dirs[1].filename(), "memory");
+  EXPECT_TRUE(CgroupDirs("4:memory:/sys\n", t.root(), "blkio").empty());  // no such mount
 }
 
 TEST(Cpu, ThreadsAreTheAffinityMaskCappedByTheQuota) {

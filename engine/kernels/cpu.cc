@@ -11,10 +11,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <thread>
+
+#include "engine/cgroup.h"
 
 namespace qkv {
 namespace {
@@ -94,93 +93,10 @@ void SetKernelIsaForTesting(KernelIsa isa) {
   g_active.store(static_cast<int>(std::min(isa, CpuKernelIsa())), std::memory_order_relaxed);
 }
 
-namespace {
-
-// The first line of a small file, or "" when it cannot be read.
-std::string FirstLine(const std::filesystem::path& p) {
-  std::ifstream f(p);
-  std::string line;
-  std::getline(f, line);
-  return line;
-}
-
-// CPUs of a cgroup v2 directory's cpu.max ("max 100000" or "150000 100000"); 0: none or unreadable.
-double QuotaV2(const std::filesystem::path& dir) {
-  std::istringstream in(FirstLine(dir / "cpu.max"));
-  std::string quota;
-  double period = 0;
-  if (!(in >> quota >> period) || quota == "max" || period <= 0) return 0;
-  char* end = nullptr;
-  const double q = std::strtod(quota.c_str(), &end);
-  return end != quota.c_str() && q > 0 ? q / period : 0;
-}
-
-// CPUs of a cgroup v1 cpu controller directory (cpu.cfs_quota_us -1: none); 0: none or unreadable.
-double QuotaV1(const std::filesystem::path& dir) {
-  const std::string q = FirstLine(dir / "cpu.cfs_quota_us"), p = FirstLine(dir / "cpu.cfs_period_us");
-  if (q.empty() || p.empty()) return 0;
-  const double quota = std::strtod(q.c_str(), nullptr), period = std::strtod(p.c_str(), nullptr);
-  return quota > 0 && period > 0 ? quota / period : 0;
-}
-
-// The tightest quota from `start` (which must lie under `top`) up to `top`, both included.
-double TightestOnTheWayUp(std::filesystem::path dir, const std::filesystem::path& top,
-                          double (*quota)(const std::filesystem::path&)) {
-  std::error_code ec;
-  const std::filesystem::path rel = dir.lexically_relative(top);
-  if (rel.empty() || *rel.begin() == ".." || !std::filesystem::is_directory(dir, ec)) dir = top;
-  double best = 0;
-  for (int depth = 0; depth < 64; ++depth) {
-    const double q = quota(dir);
-    if (q > 0 && (best == 0 || q < best)) best = q;
-    if (dir == top || !dir.has_parent_path() || dir.parent_path() == dir) break;
-    dir = dir.parent_path();
-  }
-  return best;
-}
-
-}  // namespace
-
 int ThreadsFor(int affinity_cpus, double quota_cpus) {
   int t = std::max(1, affinity_cpus);
   if (quota_cpus > 0) t = std::min(t, std::max(1, static_cast<int>(std::floor(quota_cpus + 0.5))));
   return t;
-}
-
-double CgroupCpuQuota(const std::string& proc_self_cgroup, const std::string& root) {
-  const std::filesystem::path top = std::filesystem::path(root).lexically_normal();
-  std::istringstream lines(proc_self_cgroup);
-  std::string line;
-  double best = 0;
-  auto take = [&](double q) {
-    if (q > 0 && (best == 0 || q < best)) best = q;
-  };
-  while (std::getline(lines, line)) {
-    // hierarchy-ID:controller-list:path
-    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
-    if (b == std::string::npos) continue;
-    const std::string id = line.substr(0, a), controllers = line.substr(a + 1, b - a - 1);
-    std::string path = line.substr(b + 1);
-    while (!path.empty() && path.front() == '/') path.erase(path.begin());
-    if (id == "0" && controllers.empty()) {  // cgroup v2
-      take(TightestOnTheWayUp((top / path).lexically_normal(), top, QuotaV2));
-      continue;
-    }
-    std::istringstream names(controllers);
-    for (std::string name; std::getline(names, name, ',');) {
-      if (name != "cpu") continue;
-      // v1 mounts the cpu controller at cpu/ or cpu,cpuacct/ (the other is often a symlink to it).
-      for (const char* mount : {"cpu", "cpu,cpuacct", "cpuacct,cpu"}) {
-        const std::filesystem::path m = top / mount;
-        std::error_code ec;
-        if (std::filesystem::is_directory(m, ec)) {
-          take(TightestOnTheWayUp((m / path).lexically_normal(), m, QuotaV1));
-          break;
-        }
-      }
-    }
-  }
-  return best;
 }
 
 CpuBudget AvailableCpus() {
@@ -190,10 +106,7 @@ CpuBudget AvailableCpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof set, &set) == 0) b.affinity_cpus = std::max(1, CPU_COUNT(&set));
-  std::ifstream f("/proc/self/cgroup");
-  std::stringstream text;
-  text << f.rdbuf();
-  b.quota_cpus = CgroupCpuQuota(text.str(), "/sys/fs/cgroup");
+  b.quota_cpus = CgroupCpuQuota(ProcSelfCgroup(), CgroupRoot());
   b.threads = ThreadsFor(b.affinity_cpus, b.quota_cpus);
   return b;
 }

@@ -63,12 +63,7 @@ int ComputeThreads(int requested);
 // on the 0.4B benchmark model (docs/engine.md): under a quota of 1 CPU two threads decode ~35% slower than
 // one; under 1.5 CPUs two threads prefill ~30% faster than one and decode within ~5% of it.
 int ThreadsFor(int affinity_cpus, double quota_cpus);
-// The tightest CPU quota of the cgroups on the way from this process's cgroup to the root, in CPUs (0: none).
-// `proc_self_cgroup` is /proc/self/cgroup's text and `root` where the hierarchy is mounted (/sys/fs/cgroup):
-// cgroup v2 (`0::/path`, cpu.max "quota period" or "max period") and v1 (the `cpu` controller's
-// cpu.cfs_quota_us and cpu.cfs_period_us, -1: none). Inside a container the path may not exist under `root`
-// (the cgroup namespace hides it): the walk then starts at `root`, which is the container's own cgroup.
-double CgroupCpuQuota(const std::string& proc_self_cgroup, const std::string& root);
+// (The quota comes from engine/cgroup.h.)
 
 // Whether decode attention asks for its K/V lines into L2 (prefetcht1) rather than L1 (prefetcht0). Which is
 // faster depends on the core (docs/performance.md, "Decode prefetch into L2 on a Zen 4"): L2 on AMD Zen 4
