@@ -28,7 +28,7 @@ echo "$out" | tail -n 1
 port=$(python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])')
 mport=$(python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])')
 cid=$(docker run -d --network host -e QKVSERVE_LISTEN=127.0.0.1:$port -e QKVSERVE_METRICS_LISTEN=127.0.0.1:$mport -e QKVSERVE_HTTP_LISTEN=127.0.0.1:0 \
-      qkvserve:latest --kv-cache-bytes 64MiB --threads 1)
+      --cpuset-cpus 0 qkvserve:latest --kv-cache-bytes 64MiB)
 fail() { echo "FAIL: $*"; docker logs "$cid" 2>&1 | tail -n 20; exit 1; }
 for _ in $(seq 120); do
   docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference >/dev/null 2>&1 && break
@@ -36,6 +36,9 @@ for _ in $(seq 120); do
 done
 h=$(docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference)
 [[ "$h" == *SERVING* ]] || fail "health inside the container"
+# One CPU in the container's cpuset: one compute thread, whatever the host has (kernels/cpu.h).
+docker logs "$cid" 2>&1 | grep -q "compute threads: 1, the CPUs this process may use (affinity mask: 1 of" ||
+  fail "--cpuset-cpus 0 did not give one compute thread"
 [ "$(docker exec "$cid" id -u)" != 0 ] || fail "the container runs as root"
 q=("$bin/qkvctl" --addr 127.0.0.1:$port --json)
 g=$("${q[@]}" generate -p "And God said" -n 8)
@@ -73,4 +76,4 @@ h=$(docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v
 [[ "$h" == *SERVING* ]] || fail "health after the flood: $h"
 g=$("${q[@]}" generate -p "And God said" -n 8)
 [[ "$g" == *'"completion_tokens":8'* ]] || fail "generate after the flood: $g"
-echo "docker_test: 9 passed, 0 failed"
+echo "docker_test: 10 passed, 0 failed"
