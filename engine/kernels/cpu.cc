@@ -114,8 +114,9 @@ CpuBudget AvailableCpus() {
 int ComputeThreads(int requested) {
   const CpuBudget cpus = AvailableCpus();
   if (requested <= 0) {
-    spdlog::info("compute threads: {}, the CPUs this process may use ({})", cpus.threads, cpus.Describe());
-    return cpus.threads;
+    const int threads = std::min(cpus.threads, 256);  // the engine's limit (Model::Load)
+    spdlog::info("compute threads: {}, the CPUs this process may use ({})", threads, cpus.Describe());
+    return threads;
   }
   if (requested > cpus.threads) {
     spdlog::warn(

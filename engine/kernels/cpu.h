@@ -56,7 +56,8 @@ struct CpuBudget {
   std::string Describe() const;
 };
 CpuBudget AvailableCpus();
-// The compute team's size for a --threads flag: `requested` when > 0, else AvailableCpus().threads. Logs the
+// The compute team's size for a --threads flag: `requested` when > 0, else AvailableCpus().threads (at most
+// 256, the engine's limit). Logs the
 // choice (info), and warns when `requested` is more than the CPUs this process may use.
 int ComputeThreads(int requested);
 // The affinity mask's CPUs, capped by the quota rounded to the nearest CPU, halves up; at least 1. Measured
