@@ -37,7 +37,9 @@ done
 h=$(docker exec "$cid" qkvctl --addr 127.0.0.1:$port health --service qkvserve.v1.Inference)
 [[ "$h" == *SERVING* ]] || fail "health inside the container"
 # One CPU in the container's cpuset: one compute thread, whatever the host has (kernels/cpu.h).
-docker logs "$cid" 2>&1 | grep -q "compute threads: 1, the CPUs this process may use (affinity mask: 1 of" ||
+# Captured first: with pipefail, `docker logs | grep -q` fails on SIGPIPE when grep stops reading early.
+logs=$(docker logs "$cid" 2>&1)
+grep -q "compute threads: 1, the CPUs this process may use (affinity mask: 1 of" <<<"$logs" ||
   fail "--cpuset-cpus 0 did not give one compute thread"
 [ "$(docker exec "$cid" id -u)" != 0 ] || fail "the container runs as root"
 q=("$bin/qkvctl" --addr 127.0.0.1:$port --json)
