@@ -45,8 +45,8 @@ void SetKernelIsaForTesting(KernelIsa isa);
 
 // The CPUs this process may use, which is what the compute team's size should be (a decoded token's
 // barriers spin for their team: two threads on one core decode the 0.4B benchmark model 2.6× slower than one;
-// docs/engine.md, "How many compute threads"). std::thread::hardware_concurrency() counts the online CPUs
-// and sees neither limit below.
+// docs/engine.md, "Threads"). std::thread::hardware_concurrency() counts the online CPUs and sees neither
+// limit below; the quota comes from engine/cgroup.h.
 struct CpuBudget {
   int online_cpus = 1;    // CPUs online in the machine (or the VM)
   int affinity_cpus = 1;  // CPUs in the affinity mask (taskset, docker --cpuset-cpus, Kubernetes' static CPU manager)
@@ -57,14 +57,13 @@ struct CpuBudget {
 };
 CpuBudget AvailableCpus();
 // The compute team's size for a --threads flag: `requested` when > 0, else AvailableCpus().threads (at most
-// 256, the engine's limit). Logs the
-// choice (info), and warns when `requested` is more than the CPUs this process may use.
+// 256, the engine's limit). Logs the choice (info), and warns when `requested` is more than the CPUs this
+// process may use.
 int ComputeThreads(int requested);
 // The affinity mask's CPUs, capped by the quota rounded to the nearest CPU, halves up; at least 1. Measured
 // on the 0.4B benchmark model (docs/engine.md): under a quota of 1 CPU two threads decode ~35% slower than
 // one; under 1.5 CPUs two threads prefill ~30% faster than one and decode within ~5% of it.
 int ThreadsFor(int affinity_cpus, double quota_cpus);
-// (The quota comes from engine/cgroup.h.)
 
 // Whether decode attention asks for its K/V lines into L2 (prefetcht1) rather than L1 (prefetcht0). Which is
 // faster depends on the core (docs/performance.md, "Decode prefetch into L2 on a Zen 4"): L2 on AMD Zen 4
