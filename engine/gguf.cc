@@ -297,6 +297,7 @@ Status GgufFile::ParseImpl() {
     if (tensor_index_.count(t.name)) return DataLoss("gguf: duplicate tensor '" + t.name + "'");
     tensor_index_[t.name] = k;
   }
+  used_ = std::vector<std::atomic<bool>>(tensors_.size());
   const uint64_t data_start = (c.pos() + alignment - 1) / alignment * alignment;
   if (data_start > size_ && n_tensors > 0) return DataLoss("gguf: file truncated before the tensor data");
   for (GgufTensor& t : tensors_) {
@@ -316,6 +317,21 @@ const GgufValue* GgufFile::Find(const std::string& key) const {
 const GgufTensor* GgufFile::FindTensor(const std::string& name) const {
   auto it = tensor_index_.find(name);
   return it == tensor_index_.end() ? nullptr : &tensors_[it->second];
+}
+
+const GgufTensor* GgufFile::UseTensor(const std::string& name) const {
+  auto it = tensor_index_.find(name);
+  if (it == tensor_index_.end()) return nullptr;
+  used_[it->second].store(true, std::memory_order_relaxed);
+  return &tensors_[it->second];
+}
+
+std::vector<std::string> GgufFile::UnusedTensors() const {
+  std::vector<std::string> out;
+  for (size_t k = 0; k < tensors_.size(); ++k) {
+    if (!used_[k].load(std::memory_order_relaxed)) out.push_back(tensors_[k].name);
+  }
+  return out;
 }
 
 StatusOr<int64_t> GgufFile::GetInt(const std::string& key) const {

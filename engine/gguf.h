@@ -10,6 +10,7 @@
 // naming the problem.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -78,6 +79,12 @@ class GgufFile {
   const std::vector<GgufTensor>& tensors() const { return tensors_; }
   const GgufValue* Find(const std::string& key) const;
   const GgufTensor* FindTensor(const std::string& name) const;
+  // FindTensor for a tensor the caller computes with: marks it used (UnusedTensors). Probes for a tensor's
+  // presence use FindTensor.
+  const GgufTensor* UseTensor(const std::string& name) const;
+  // The tensors no UseTensor asked for, in file order: a model loader that leaves one unused would compute
+  // something other than the model.
+  std::vector<std::string> UnusedTensors() const;
 
   // Typed metadata accessors: NotFound if absent, InvalidArgument if of the wrong kind or range.
   StatusOr<int64_t> GetInt(const std::string& key) const;
@@ -102,6 +109,7 @@ class GgufFile {
   std::map<std::string, GgufValue> kv_;
   std::vector<GgufTensor> tensors_;
   std::map<std::string, size_t> tensor_index_;
+  mutable std::vector<std::atomic<bool>> used_;  // [tensor]: asked for by UseTensor (loaders may be threaded)
 };
 
 // Builds a GGUF v3 file in memory and writes it out.

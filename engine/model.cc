@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -35,6 +36,33 @@ int64_t MemAvailableBytes() {
     }
   }
   return std::min(avail, CgroupMemoryHeadroom(ProcSelfCgroup(), CgroupRoot()));
+}
+
+// A tensor the layers did not read would change what the model computes (a bias, Llama 3.1's rope_freqs, a
+// norm of a variant): refuse the file rather than compute something else. Blocks past the decoder stack
+// (deepseek2's next-token-prediction layers, nextn_predict_layers) are for speculative decoding and left.
+Status CheckEveryTensorUsed(const GgufFile& f, int n_layers) {
+  std::vector<std::string> unused;
+  int mtp = 0;
+  for (const std::string& name : f.UnusedTensors()) {
+    int block = -1;
+    if (name.starts_with("blk.")) {
+      const auto [ptr, ec] = std::from_chars(name.data() + 4, name.data() + name.size(), block);
+      if (ec != std::errc() || *ptr != '.') block = -1;
+    }
+    if (block >= n_layers) {
+      ++mtp;
+    } else {
+      unused.push_back(name);
+    }
+  }
+  if (mtp > 0) spdlog::info("model: {} tensors of blocks past the {} decoder layers are not used", mtp, n_layers);
+  if (unused.empty()) return {};
+  std::string list;
+  for (size_t i = 0; i < unused.size() && i < 8; ++i) list += (i ? ", " : "") + unused[i];
+  if (unused.size() > 8) list += ", … (" + std::to_string(unused.size() - 8) + " more)";
+  return Unimplemented("model: the file has " + std::to_string(unused.size()) +
+                       " tensors this engine does not compute with, so its output would not be the model's: " + list);
 }
 
 }  // namespace
@@ -71,10 +99,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
     const RopeParams rp = c.Rope();
     m->rope_ = std::make_unique<RopeTable>(
         c.rotary_dim, c.rope_theta, m->max_ctx_,
-        RopeScale{rp.freq_scale, rp.yarn, rp.orig_ctx, rp.beta_fast, rp.beta_slow, rp.magnitude});
+        RopeScale{rp.freq_scale, rp.yarn, rp.orig_ctx, rp.beta_fast, rp.beta_slow, rp.magnitude, rp.freq_factors});
     m->rows_cap_ = (opt.max_batch_tokens + kTileRows - 1) / kTileRows * kTileRows;
     m->logit_rows_cap_ = opt.max_logit_rows > 0 ? opt.max_logit_rows : opt.max_batch_tokens;
     QKV_RETURN_IF_ERROR(m->LoadWeights(*f));
+    QKV_RETURN_IF_ERROR(CheckEveryTensorUsed(*f, c.n_layers));
   }  // the GGUF mapping is released here: only converted weights stay resident
   spdlog::info("model: {}; weights {} ({:.1f} MB), {} threads", m->cfg_.Summary(), m->weights_summary(),
                m->weight_bytes_ / 1e6, opt.n_threads);

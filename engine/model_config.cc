@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -42,6 +43,26 @@ bool DeepseekLite(int n_layers, int vocab) {
   return n_layers == 26 || n_layers == 27 || (n_layers == 48 && vocab == 128256);
 }
 
+// Llama 3.1's per-pair frequency divisors (Meta's rope_type "llama3"): pairs whose wavelength is below
+// orig / high keep their frequency, those above orig / low are divided by factor, and those between are
+// divided by a smooth mix of the two.
+std::vector<float> Llama3RopeFactors(int rotary_dim, double theta, double factor, double low, double high,
+                                     double orig) {
+  std::vector<float> ff(static_cast<size_t>(rotary_dim / 2));
+  for (int i = 0; i < rotary_dim / 2; ++i) {
+    const double wavelen = 2 * M_PI * std::pow(theta, 2.0 * i / rotary_dim);
+    double d = 1.0;
+    if (wavelen > orig / low) {
+      d = factor;
+    } else if (wavelen >= orig / high) {
+      const double smooth = (orig / wavelen - low) / (high - low);
+      d = 1.0 / ((1.0 - smooth) / factor + smooth);
+    }
+    ff[static_cast<size_t>(i)] = static_cast<float>(d);
+  }
+  return ff;
+}
+
 // YaRN's magnitude correction, as llama.cpp's get_mscale.
 double GetMscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
 
@@ -54,6 +75,7 @@ RopeParams ModelConfig::Rope() const {
   r.freq_scale = rope_scaling == RopeScaling::kNone ? 1.0 : 1.0 / rope_factor;
   r.yarn = rope_scaling == RopeScaling::kYarn;
   r.orig_ctx = rope_orig_ctx > 0 ? rope_orig_ctx : context_length;
+  r.freq_factors = rope_freq_factors;
   // llama.cpp's yarn_attn_factor (llama-context.cpp), then the factor ggml's rope_yarn applies on top.
   double attn = 1.0;
   if (r.yarn) {
@@ -177,6 +199,18 @@ Status ModelConfig::Validate() const {
   if (!std::isfinite(rope_attn_factor) || !(rope_attn_factor > 0)) return bad("rope attention factor must be positive");
   if (!std::isfinite(rope_yarn_log_mul) || std::fabs(rope_yarn_log_mul) > 100)
     return bad("mscale_all_dim out of range");
+  if (attention_sinks && (arch == Arch::kQwen35 || arch == Arch::kDeepseek2)) {
+    return bad(std::string("attention sinks are not part of ") + ArchName(arch) + " (llama.cpp reads none for it)");
+  }
+  if (!rope_freq_factors.empty()) {
+    if (arch != Arch::kLlama) return bad("rope frequency factors (rope_freqs.weight, llama3 rope) are for llama only");
+    if (rope_freq_factors.size() != static_cast<size_t>(rotary_dim / 2)) {
+      return bad("rope_freqs.weight must have rotary_dim / 2 = " + std::to_string(rotary_dim / 2) + " values");
+    }
+    for (float x : rope_freq_factors) {
+      if (!std::isfinite(x) || !(x > 0)) return bad("rope_freqs.weight must hold positive finite values");
+    }
+  }
   if (moe.n_experts > 0 || arch == Arch::kQwen3Moe) {
     if (moe.n_experts <= 0 || moe.n_experts > 4096) return bad("num_experts must be in 1..4096");
     if (moe.n_used <= 0 || moe.n_used > moe.n_experts) return bad("num_experts_per_tok must be in 1..num_experts");
@@ -414,6 +448,17 @@ StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
   if (emb->ne.size() != 2) return DataLoss("gguf: 'token_embd.weight' must be 2-D");
   if (emb->ne[1] > (1u << 22)) return DataLoss("gguf: 'token_embd.weight' has an absurd vocabulary");
   c.vocab = static_cast<int>(emb->ne[1]);
+  // llama.cpp reads rope_freqs.weight for llama (Llama 3.1's rope scaling); for the other architectures here a
+  // file holding it is left with an unused tensor, which the model refuses.
+  if (const GgufTensor* t = f.FindTensor("rope_freqs.weight"); t && c.arch == Arch::kLlama) {
+    f.UseTensor(t->name);
+    if (t->type != GgmlType::kF32 || t->ne.size() != 1 || t->ne[0] != static_cast<uint64_t>(c.rotary_dim / 2)) {
+      return DataLoss("gguf: 'rope_freqs.weight' must be f32 with rotary_dim / 2 = " +
+                      std::to_string(c.rotary_dim / 2) + " values");
+    }
+    c.rope_freq_factors.resize(t->ne[0]);
+    std::memcpy(c.rope_freq_factors.data(), t->data, t->ne[0] * sizeof(float));
+  }
   QKV_RETURN_IF_ERROR(c.Validate());
   return c;
 }
@@ -484,14 +529,26 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
     const nlohmann::json& ty = rs.contains("type") ? rs["type"] : rs.contains("rope_type") ? rs["rope_type"] : nullptr;
     if (!ty.is_string()) return InvalidArgument("config: 'rope_scaling.type' must be a string");
     const std::string type = ty.get<std::string>();
-    if (type != "default") {
-      QKV_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(type));
-    }
     auto num = [&](const char* k, double dflt) -> StatusOr<double> {
       if (!rs.contains(k) || rs[k].is_null()) return dflt;
       if (!rs[k].is_number()) return InvalidArgument(std::string("config: 'rope_scaling.") + k + "' must be a number");
       return rs[k].get<double>();
     };
+    if (type == "llama3") {
+      if (arch != Arch::kLlama) return Unimplemented("config: rope_scaling type 'llama3' is supported for llama only");
+      QKV_ASSIGN_OR_RETURN(const double factor, num("factor", 8.0));
+      QKV_ASSIGN_OR_RETURN(const double low, num("low_freq_factor", 1.0));
+      QKV_ASSIGN_OR_RETURN(const double high, num("high_freq_factor", 4.0));
+      QKV_ASSIGN_OR_RETURN(const double orig, num("original_max_position_embeddings", 8192.0));
+      if (!(factor >= 1 && factor <= 1024) || !(low > 0) || !(high > low) || !(orig >= 1 && orig <= (1 << 22))) {
+        return InvalidArgument(
+            "config: 'rope_scaling' (llama3) needs factor in 1..1024, 0 < low_freq_factor < high_freq_factor and "
+            "original_max_position_embeddings in 1..4194304");
+      }
+      c.rope_freq_factors = Llama3RopeFactors(c.rotary_dim, c.rope_theta, factor, low, high, orig);
+    } else if (type != "default") {
+      QKV_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(type));
+    }
     QKV_ASSIGN_OR_RETURN(c.rope_factor, num("factor", 1.0));
     QKV_ASSIGN_OR_RETURN(double orig, num("original_max_position_embeddings", 0.0));
     if (!(orig >= 0 && orig <= (1 << 22))) {
@@ -509,6 +566,10 @@ StatusOr<ModelConfig> ModelConfig::FromHfJson(const std::string& json_text, Arch
     }
     if (arch == Arch::kDeepseek2) {
       QKV_ASSIGN_OR_RETURN(c.rope_yarn_log_mul, num("mscale_all_dim", 0.0));
+    }
+    if (!c.rope_freq_factors.empty()) {  // llama3: all of it is in the factors, as in the converted file
+      c.rope_factor = 1.0;
+      c.rope_orig_ctx = 0;
     }
   }
   if (arch == Arch::kQwen35) {
@@ -739,6 +800,10 @@ std::string ModelConfig::Summary() const {
   if (rope_scaling != RopeScaling::kNone) {
     o << " rope_scaling=" << RopeScalingName(rope_scaling) << "x" << rope_factor;
     if (rope_orig_ctx > 0) o << " orig_ctx=" << rope_orig_ctx;
+  }
+  if (!rope_freq_factors.empty()) {
+    o << " rope_freqs=" << *std::min_element(rope_freq_factors.begin(), rope_freq_factors.end()) << ".."
+      << *std::max_element(rope_freq_factors.begin(), rope_freq_factors.end());
   }
   return o.str();
 }

@@ -36,7 +36,8 @@ struct RopeParams {
   bool yarn = false;        // ext_factor 1
   int orig_ctx = 0;         // YaRN's original context
   double beta_fast = 32.0, beta_slow = 1.0;
-  double magnitude = 1.0;  // cos/sin are multiplied by it
+  double magnitude = 1.0;           // cos/sin are multiplied by it
+  std::vector<float> freq_factors;  // [rotary_dim / 2] divisors of each pair's angle (llama's rope_freqs); empty: 1
 };
 
 // Multi-head latent attention (DeepSeek-V2/V3): per token and layer the cache holds the normalized latent
@@ -91,6 +92,10 @@ struct ModelConfig {
   int rope_orig_ctx = 0;  // 0: the context length
   double rope_attn_factor = 1.0;
   double rope_yarn_log_mul = 0.0;
+  // llama: Llama 3.1's rope scaling ("rope_type": "llama3"), which llama.cpp's converter writes as the tensor
+  // rope_freqs.weight, one divisor per rotated pair (ggml's freq_factors): the angle of pair i is
+  // p · theta^(-2i/rotary_dim) / rope_freq_factors[i]. Empty: none. The file's metadata says nothing of it.
+  std::vector<float> rope_freq_factors;
   // deepseek2 (arch kDeepseek2): MLA attention; head_dim is then kv_lora_rank + rotary_dim (the absorbed
   // query/key width, as llama.cpp's key_length) and n_kv_heads 1.
   MlaConfig mla;

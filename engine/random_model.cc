@@ -59,6 +59,10 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
   const int H = cfg.hidden;
   const int q_rows = cfg.q_dim() * (cfg.attn_output_gate ? 2 : 1);
   matrix("token_embd.weight", cfg.vocab, H, 1.0);
+  if (!cfg.rope_freq_factors.empty()) {  // llama3 rope scaling, as llama.cpp's converter writes it
+    const auto& ff = cfg.rope_freq_factors;
+    w.AddTensor("rope_freqs.weight", GgmlType::kF32, {ff.size()}, EncodeFromF32(ff.data(), ff.size(), GgmlType::kF32));
+  }
   for (int l = 0; l < cfg.n_layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     vec(p + "attn_norm.weight", H, 0.1, 1.0);

@@ -629,8 +629,13 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_weight_bytes_per_token(static_cast<int64_t>(m.weight_bytes_per_token()));
   resp->set_num_experts(c.moe.n_experts);
   resp->set_experts_per_token(c.moe.n_used);
-  resp->set_rope_scaling(RopeScalingName(c.rope_scaling));
-  resp->set_rope_scaling_factor(c.rope_factor);
+  if (!c.rope_freq_factors.empty()) {  // Llama 3.1's scaling, in the file as per-pair divisors (rope_freqs.weight)
+    resp->set_rope_scaling("llama3");
+    resp->set_rope_scaling_factor(*std::max_element(c.rope_freq_factors.begin(), c.rope_freq_factors.end()));
+  } else {
+    resp->set_rope_scaling(RopeScalingName(c.rope_scaling));
+    resp->set_rope_scaling_factor(c.rope_factor);
+  }
   resp->set_rope_original_context(c.rope_scaling == RopeScaling::kNone ? 0 : c.Rope().orig_ctx);
   resp->set_kv_bytes_per_token(m.cache_layout().tokens.bytes_per_token());
   resp->set_linear_attention_layers(c.n_layers - c.n_attention_layers());

@@ -124,7 +124,7 @@ void CacheMatchesRecompute(Arch arch, DType kv) {
 // Changing a later prompt token never changes an earlier position's logits (bit for bit).
 TEST_P(ModelArchTest, Causality) {
   ModelConfig cfg = testing::SmallConfig(GetParam());
-  cfg.attention_sinks = true;
+  cfg.attention_sinks = GetParam() != Arch::kQwen35 && GetParam() != Arch::kDeepseek2;  // (not part of those)
   const auto path = testing::WriteModel(cfg, std::string("causal_") + ArchName(GetParam()));
   auto m = Load(path, DType::kBF16, DType::kBF16);
   ASSERT_TRUE(m);
@@ -302,7 +302,7 @@ TEST(Model, OneTokenStepsInOneRegionKeepTheBits) {
       SCOPED_TRACE(std::string(ArchName(k.arch)) + " " + (k.preset ? k.preset : "f32") + " " + k.gemm + " kv " +
                    DTypeName(kv) + " experts " + std::to_string(k.n_used));
       ModelConfig cfg = testing::SmallConfig(k.arch);
-      cfg.attention_sinks = true;
+      cfg.attention_sinks = k.arch != Arch::kQwen35;  // (qwen35 has none; deepseek2's below)
       if (k.arch == Arch::kQwen3) cfg.attn_output_gate = true;
       if (k.preset) cfg.hidden = 256, cfg.ffn = 512, cfg.head_dim = 32, cfg.rotary_dim = 32;
       if (k.arch == Arch::kQwen3Moe) cfg.moe.n_experts = 8, cfg.moe.n_used = k.n_used, cfg.moe.expert_ffn = 256;
@@ -691,6 +691,84 @@ TEST(Model, RejectsBadBatches) {
   BatchChunk ch2{&unreserved, one, false};
   EXPECT_EQ(m->Forward(std::span<const BatchChunk>(&ch2, 1), CacheFor(*m)).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(s.n_tokens, 0);  // nothing was applied
+}
+
+// A copy of a model file with its tensors edited: `extra` added (f32), those named in `drop` left out.
+std::string RewriteModel(const std::string& src, const std::string& name,
+                         const std::vector<std::pair<std::string, std::vector<float>>>& extra,
+                         const std::set<std::string>& drop = {}) {
+  auto f = GgufFile::Open(src);
+  EXPECT_TRUE(f.ok());
+  GgufWriter w;
+  for (const auto& [k, v] : (*f)->metadata()) w.SetValue(k, v);
+  for (const GgufTensor& t : (*f)->tensors()) {
+    if (drop.count(t.name)) continue;
+    w.AddTensor(t.name, t.type, t.ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
+  }
+  for (const auto& [n, v] : extra) {
+    w.AddTensor(n, GgmlType::kF32, {v.size()}, EncodeFromF32(v.data(), v.size(), GgmlType::kF32));
+  }
+  const std::string path = testing::TempDir() + "/" + name + ".gguf";
+  EXPECT_TRUE(w.WriteFile(path).ok());
+  return path;
+}
+
+// A tensor the layers do not read would change what the model computes: the load fails and names it.
+// Tensors of blocks past the decoder stack (next-token-prediction layers) are left, and load.
+TEST(Model, RefusesTensorsItDoesNotUse) {
+  ModelOptions mo;
+  mo.n_threads = 1;
+  mo.kv_blocks = 16;
+  const ModelConfig cfg = testing::SmallConfig(Arch::kLlama);
+  const std::string base = testing::WriteModel(cfg, "unused_base");
+  ASSERT_TRUE(Model::Load(base, mo).ok());
+  const std::string bias =
+      RewriteModel(base, "unused_bias", {{"blk.0.ffn_gate.bias", std::vector<float>(cfg.ffn, 0.5f)}});
+  auto m = Model::Load(bias, mo);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(m.status().message().find("blk.0.ffn_gate.bias"), std::string::npos) << m.status().message();
+  const std::string mtp = RewriteModel(
+      base, "unused_mtp", {{"blk." + std::to_string(cfg.n_layers) + ".attn_norm.weight", std::vector<float>(8, 1)}});
+  EXPECT_TRUE(Model::Load(mtp, mo).ok());
+  // Llama 3.1's rope_freqs.weight is llama's only: a qwen2 file holding it is refused.
+  const std::string qwen = testing::WriteModel(testing::SmallConfig(Arch::kQwen2), "unused_qwen2");
+  const std::vector<float> ones(static_cast<size_t>(cfg.rotary_dim / 2), 1.0f);
+  auto q = Model::Load(RewriteModel(qwen, "unused_qwen2_freqs", {{"rope_freqs.weight", ones}}), mo);
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("rope_freqs.weight"), std::string::npos) << q.status().message();
+}
+
+// Llama 3.1's rope scaling reaches the attention: divisors of 1 give the bits of no divisors, others change
+// the logits; a wrong length or a non-positive divisor is refused.
+TEST(Model, RopeFrequencyDivisors) {
+  ModelConfig cfg = testing::SmallConfig(Arch::kLlama);
+  const std::string base = testing::WriteModel(cfg, "freqs_base");
+  const size_t half = static_cast<size_t>(cfg.rotary_dim / 2);
+  std::vector<float> ff(half, 1.0f);
+  const std::string ones = RewriteModel(base, "freqs_ones", {{"rope_freqs.weight", ff}});
+  for (size_t i = half / 2; i < half; ++i) ff[i] = 8.0f;
+  const std::string eights = RewriteModel(base, "freqs_eights", {{"rope_freqs.weight", ff}});
+  std::vector<float> logits[3];
+  int k = 0;
+  for (const std::string& path : {base, ones, eights}) {
+    auto m = Load(path, DType::kF32, DType::kF32);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->config().rope_freq_factors.size(), path == base ? 0 : half);
+    SeqKv seq;
+    logits[k++] = Feed(*m, seq, Prompt(40, cfg.vocab), true);
+    ReleaseAll(*m, seq);
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+  EXPECT_NE(logits[0], logits[2]);
+  ModelOptions mo;
+  mo.n_threads = 1;
+  mo.kv_blocks = 16;
+  for (const auto& bad : {std::vector<float>(half + 1, 1.0f), std::vector<float>(half, 0.0f)}) {
+    auto m = Model::Load(RewriteModel(base, "freqs_bad", {{"rope_freqs.weight", bad}}), mo);
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find("rope_freqs.weight"), std::string::npos) << m.status().message();
+  }
 }
 
 }  // namespace

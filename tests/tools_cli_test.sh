@@ -97,6 +97,17 @@ sed 's/"vocab_size": 300,/"vocab_size": 300, "n_routed_experts": 8,/' "$tmp/mla.
 expect_error "missing 'num_experts_per_tok'" "$bin/qkv-model" random --config "$tmp/mla_moe.json" --out "$tmp/x.gguf" --arch deepseek2
 sed 's/"type": "yarn"/"type": "longrope"/' "$tmp/mla.json" > "$tmp/mla_lr.json"
 expect_error "rope scaling 'longrope' is not supported" "$bin/qkv-model" random --config "$tmp/mla_lr.json" --out "$tmp/x.gguf" --arch deepseek2
+# Llama 3.1's rope scaling: random writes rope_freqs.weight (as llama.cpp's converter), info reports it; other
+# architectures refuse it.
+cat > "$tmp/l3.json" <<'JSON'
+{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 300,
+ "max_position_embeddings": 128, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+ "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+JSON
+"$bin/qkv-model" random --config "$tmp/l3.json" --out "$tmp/l3.gguf" --arch llama --seed 3 >/dev/null
+info=$("$bin/qkv-model" info "$tmp/l3.gguf")
+grep -q "rope scaling:      none; llama3 frequency divisors (rope_freqs.weight) 1 to 8$" <<<"$info" || fail "info lacks the llama3 divisors: $info"
+expect_error "rope_scaling type 'llama3' is supported for llama only" "$bin/qkv-model" random --config "$tmp/l3.json" --out "$tmp/x.gguf" --arch qwen2
 # qkv-bench with a baseline: the model over the baseline per repetition, and their median.
 out=$("$bin/qkv-bench" --model "$tmp/m.gguf" --baseline "$tmp/l.gguf" --prompt 8 --gen 4 --reps 2 --threads 1 2>&1)
 grep -q "^rep 2: baseline decode [0-9.]* tok/s; the model decodes [0-9.]*x the baseline$" <<<"$out" || fail "qkv-bench --baseline per repetition: $out"

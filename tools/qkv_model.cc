@@ -109,6 +109,10 @@ int Info(const std::string& path) {
   if (cfg->rope_scaling != qkv::RopeScaling::kNone) {
     std::cout << " x" << cfg->rope_factor << ", original context " << cfg->Rope().orig_ctx;
   }
+  if (const auto& ff = cfg->rope_freq_factors; !ff.empty()) {
+    std::cout << "; llama3 frequency divisors (rope_freqs.weight) " << *std::min_element(ff.begin(), ff.end()) << " to "
+              << *std::max_element(ff.begin(), ff.end());
+  }
   std::cout << "\n"
             << "rope:              "
             << (qkv::RopeStyleOf(cfg->arch) == qkv::RopeStyle::kInterleaved ? "interleaved pairs" : "halves")

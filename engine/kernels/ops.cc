@@ -1,6 +1,7 @@
 #include "engine/kernels/ops.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 
 namespace qkv {
@@ -70,6 +71,7 @@ void AddInPlace(float* x, const float* y, int n) {
 RopeTable::RopeTable(int rotary_dim, double theta, int max_positions, const RopeScale& sc)
     : rotary_dim_(rotary_dim), max_positions_(max_positions) {
   const int half = rotary_dim / 2;
+  assert(sc.freq_factors.empty() || sc.freq_factors.size() == static_cast<size_t>(half));
   cos_.resize(static_cast<size_t>(max_positions) * half);
   sin_.resize(cos_.size());
   // YaRN's correction range (ggml_rope_yarn_corr_dims): the pair index at which a frequency makes n_rot
@@ -84,7 +86,8 @@ RopeTable::RopeTable(int rotary_dim, double theta, int max_positions, const Rope
   }
   for (int p = 0; p < max_positions; ++p) {
     for (int i = 0; i < half; ++i) {
-      const double extrap = p * std::pow(theta, -2.0 * i / rotary_dim);
+      const double ff = sc.freq_factors.empty() ? 1.0 : sc.freq_factors[static_cast<size_t>(i)];
+      const double extrap = p * std::pow(theta, -2.0 * i / rotary_dim) / ff;
       const double interp = sc.freq_scale * extrap;
       double a = interp;
       if (sc.yarn) {

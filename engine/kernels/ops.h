@@ -78,6 +78,7 @@ struct RopeScale {
   int orig_ctx = 0;
   double beta_fast = 32.0, beta_slow = 1.0;
   double magnitude = 1.0;
+  std::vector<float> freq_factors;  // [rotary_dim / 2]: pair i's angle is divided by it first (ggml's freq_factors)
 };
 
 // Rotary position embedding over the first rotary_dim dims of a head (see RopeStyle for the pairing).

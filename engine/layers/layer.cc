@@ -17,7 +17,7 @@ std::string ShapeStr(const std::vector<uint64_t>& ne) {
 
 // The tensor `name` after checking that its shape (ggml order) is exactly `ne`.
 StatusOr<const GgufTensor*> FindShaped(const GgufFile& f, const std::string& name, const std::vector<uint64_t>& ne) {
-  const GgufTensor* t = f.FindTensor(name);
+  const GgufTensor* t = f.UseTensor(name);
   if (!t) return DataLoss("model: missing tensor '" + name + "'");
   if (t->ne != ne) {
     return DataLoss("model: tensor '" + name + "' has shape " + ShapeStr(t->ne) + ", expected " + ShapeStr(ne));

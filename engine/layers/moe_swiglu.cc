@@ -190,9 +190,9 @@ StatusOr<std::unique_ptr<Layer>> MoeSwiGlu::Make(const LayerInit& in) {
   QKV_ASSIGN_OR_RETURN(L->router_, MakeLinear(in.file, in.gemm, DType::kF32, in.keep_quantized,
                                               {{p + "ffn_gate_inp.weight", U(E), 0, E}}, H, nullptr));
   const std::string tg = p + "ffn_gate_exps.weight", tu = p + "ffn_up_exps.weight", td = p + "ffn_down_exps.weight";
-  const GgufTensor* gt = in.file.FindTensor(tg);
-  const GgufTensor* ut = in.file.FindTensor(tu);
-  const GgufTensor* dt = in.file.FindTensor(td);
+  const GgufTensor* gt = in.file.UseTensor(tg);
+  const GgufTensor* ut = in.file.UseTensor(tu);
+  const GgufTensor* dt = in.file.UseTensor(td);
   const bool quant = in.keep_quantized && gt && ut && dt && GgmlIsQuantized(gt->type) && GgmlIsQuantized(ut->type) &&
                      GgmlIsQuantized(dt->type) && H % 32 == 0 && F % 32 == 0;
   // One expert at a time: its slices of the stacked tensors, kept in their block formats when quantized

@@ -15,12 +15,16 @@ cp "$here/greedy.mjs" "$work/"
 text="Hello world, the quick brown fox's 123 tests"
 tokens="5,17,99,3,250,42,7,301,12,8"
 pass=0 fail=0
-for arch in llama qwen2 qwen3; do
+# llama3: Llama 3.1's rope scaling (rope_freqs.weight), with an original context short enough that most pairs
+# are divided.
+for arch in llama qwen2 qwen3 llama3; do
+  rope="" file_arch=$arch
+  [ "$arch" = llama3 ] && file_arch=llama && rope=', "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}'
   cat > "$work/c.json" <<JSON
 {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
- "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
+ "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6$rope}
 JSON
-  "$bin/qkv-model" random --config "$work/c.json" --out "$work/$arch.gguf" --arch "$arch" --dtype f32 --seed 11 >/dev/null
+  "$bin/qkv-model" random --config "$work/c.json" --out "$work/$arch.gguf" --arch "$file_arch" --dtype f32 --seed 11 >/dev/null
   ref=$(node "$work/greedy.mjs" "$work/$arch.gguf" "$text" "$tokens" 24)
   ours_greedy=$("$bin/qkv-run" --model "$work/$arch.gguf" --tokens "$tokens" -n 24 --temperature 0 --ignore-eos \
     --weights-dtype f32 --kv-dtype f32 --threads 1 --print-ids 2>&1 >/dev/null | sed -n 's/^ids: //p')

@@ -51,6 +51,27 @@ BASE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "n
         "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 256,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def llama3_divisors(cfg):
+    """Meta's Llama 3.1 rope scaling as per-pair frequency divisors (what the converter writes)."""
+    rs, hd = cfg["rope_scaling"], cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    orig, lo, hi, factor = rs["original_max_position_embeddings"], rs["low_freq_factor"], rs["high_freq_factor"], rs["factor"]
+    out = []
+    for i in range(hd // 2):
+        wavelen = 2 * math.pi * cfg["rope_theta"] ** (2 * i / hd)
+        if wavelen < orig / hi:
+            out.append(1.0)
+        elif wavelen > orig / lo:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - lo) / (hi - lo)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
 MLA = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 24}
 
 DS_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1,
@@ -82,6 +103,10 @@ CONFIGS = [
     ("yarn_qwen2", "qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 32}}, "f32"),
     ("linear_llama", "llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "f32"),
+    # Llama 3.1's scaling (rope_freqs.weight): with an original context of 64 and head_dim 16 the 8 pairs
+    # take all three branches (kept, smoothed, divided by the factor); in a bf16 file too.
+    ("llama3_rope", "llama", {"rope_scaling": LLAMA3_ROPE}, "f32"),
+    ("llama3_rope_bf16_file", "llama", {"rope_scaling": LLAMA3_ROPE, "num_key_value_heads": 4}, "bf16"),
     # MLA (deepseek2): with and without the low-rank query path (none needs 26 or 27 layers, llama.cpp's
     # rule), other rope/nope/v splits, YaRN with and without mscale_all_dim, the legacy attn_kv_b.
     ("mla", "deepseek2", dict(MLA), "f32"),
@@ -175,6 +200,13 @@ def main():
             ref = Reference(mpath).logits(tokens).numpy()
             msgs = []
             ok = True
+            if cfg.get("rope_scaling", {}).get("rope_type") == "llama3":
+                ff = Reference(mpath).freq_factors
+                want = llama3_divisors(cfg)
+                good = ff is not None and ff.shape == want.shape and np.allclose(ff.numpy(), want, rtol=1e-6)
+                kinds = "" if ff is None else f" ({int((want == 1).sum())} kept, {int((want == cfg['rope_scaling']['factor']).sum())} divided)"
+                msgs.append(f"rope_freqs {'as Llama 3.1' if good else 'WRONG'}{kinds}")
+                ok &= good
             for chunk in (512, 7):
                 ours = run_logits(args.bindir, mpath, tokens, "f32", "f32", chunk, lpath)
                 d = float(np.abs(ours - ref).max())

@@ -139,6 +139,11 @@ class Reference:
         self.orig_ctx = g.kv.get(p + "rope.scaling.original_context_length", g.kv.get(p + "context_length", 2048))
         # the converter writes 0.1 * mscale_all_dim (llama.cpp divides it back)
         self.mscale_all_dim = g.kv.get(p + "rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        # Llama 3.1's rope scaling: the converter writes one divisor per rotated pair (rope_freqs.weight);
+        # llama.cpp divides each pair's frequency by it (llama only).
+        self.freq_factors = None
+        if arch == "llama" and g.has("rope_freqs.weight"):
+            self.freq_factors = torch.from_numpy(g.tensor("rope_freqs.weight")).to(torch.float64)
         if arch == "deepseek2":
             self.kv_lora = g.kv[p + "attention.kv_lora_rank"]
             self.q_lora = g.kv.get(p + "attention.q_lora_rank", 0)
@@ -169,6 +174,8 @@ class Reference:
             return x
         i = torch.arange(r // 2, dtype=torch.float64)
         freq = self.theta ** (-2.0 * i / r)
+        if self.freq_factors is not None:
+            freq = freq / self.freq_factors
         mag = 1.0
         if self.scaling == "linear":
             freq = freq / self.factor
