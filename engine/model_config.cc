@@ -380,6 +380,14 @@ StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
     if (c.n_dense_lead >= c.n_layers) c.moe = MoeConfig{};  // every block dense: the expert keys are unused
   }
   c.rms_eps = f.GetFloatOr(p + "attention.layer_norm_rms_epsilon", 1e-6);
+  // llama.cpp's llama loader also takes stacked experts (Mixtral and other llama-architecture MoE files):
+  // not built here, so say so rather than miss a dense FFN tensor.
+  if ((c.arch == Arch::kLlama || c.arch == Arch::kQwen2 || c.arch == Arch::kQwen3) &&
+      f.GetIntOr(p + "expert_count", 0) > 0) {
+    return Unimplemented("gguf: " + arch + " with experts ('" + p +
+                         "expert_count' = " + std::to_string(f.GetIntOr(p + "expert_count", 0)) +
+                         ", e.g. Mixtral) is not supported; mixtures of experts run as qwen3moe and deepseek2");
+  }
   if (c.arch == Arch::kQwen3Moe) {
     // qwen3moe.cpp: expert_count and expert_used_count are required, expert_feed_forward_length defaults to
     // feed_forward_length / expert_used_count; softmax gating with the top-k weights always normalized.

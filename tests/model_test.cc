@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -696,11 +697,13 @@ TEST(Model, RejectsBadBatches) {
 // A copy of a model file with its tensors edited: `extra` added (f32), those named in `drop` left out.
 std::string RewriteModel(const std::string& src, const std::string& name,
                          const std::vector<std::pair<std::string, std::vector<float>>>& extra,
-                         const std::set<std::string>& drop = {}) {
+                         const std::set<std::string>& drop = {},
+                         const std::function<void(GgufWriter&)>& set_metadata = nullptr) {
   auto f = GgufFile::Open(src);
   EXPECT_TRUE(f.ok());
   GgufWriter w;
   for (const auto& [k, v] : (*f)->metadata()) w.SetValue(k, v);
+  if (set_metadata) set_metadata(w);
   for (const GgufTensor& t : (*f)->tensors()) {
     if (drop.count(t.name)) continue;
     w.AddTensor(t.name, t.type, t.ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
@@ -737,6 +740,14 @@ TEST(Model, RefusesTensorsItDoesNotUse) {
   auto q = Model::Load(RewriteModel(qwen, "unused_qwen2_freqs", {{"rope_freqs.weight", ones}}), mo);
   ASSERT_FALSE(q.ok());
   EXPECT_NE(q.status().message().find("rope_freqs.weight"), std::string::npos) << q.status().message();
+  // A llama-architecture mixture of experts (Mixtral): said so, not a missing dense tensor.
+  auto mix = Model::Load(RewriteModel(base, "unused_mixtral", {}, {"blk.0.ffn_gate.weight"},
+                                      [](GgufWriter& w) { w.SetU32("llama.expert_count", 8); }),
+                         mo);
+  ASSERT_FALSE(mix.ok());
+  EXPECT_EQ(mix.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(mix.status().message().find("'llama.expert_count' = 8, e.g. Mixtral"), std::string::npos)
+      << mix.status().message();
 }
 
 // Llama 3.1's rope scaling reaches the attention: divisors of 1 give the bits of no divisors, others change
