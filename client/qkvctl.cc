@@ -428,6 +428,8 @@ int InfoCmd(const Common& c, pb::Inference::Stub& stub) {
             {"gemm", m.gemm()},
             {"instance_id", m.instance_id()},
             {"chat_template", m.chat_template()},
+            {"eos_token_id", m.eos_token_id()},
+            {"eog_token_ids", std::vector<int>(m.eog_token_ids().begin(), m.eog_token_ids().end())},
             {"chat_stop", std::vector<std::string>(m.chat_stop().begin(), m.chat_stop().end())},
             {"rope_scaling", m.rope_scaling()},
             {"num_parameters", m.num_parameters()},

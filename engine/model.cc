@@ -110,6 +110,13 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   spdlog::info("gemm: cpu isa {} (own kernels {}, kv prefetch into {}); compute dtype {}; {}", GemmRuntime::CpuIsa(),
                KernelIsaName(ActiveKernelIsa()), KvPrefetchL2() ? "l2" : "l1", DTypeName(m->compute_dtype()),
                m->rt_->Summary());
+  {
+    const Tokenizer& t = *m->tokenizer_;
+    std::string eog;
+    for (int id : t.eog_ids()) eog += (eog.empty() ? "" : ", ") + std::to_string(id) + " " + t.TokenBytes(id);
+    spdlog::info("tokenizer: {} tokens, bos {}, eos {}; generation ends at {}", t.vocab_size(), t.bos_id(), t.eos_id(),
+                 eog.empty() ? std::string("no token") : eog);
+  }
   for (const std::string& k : m->rt_->KernelLog()) spdlog::debug("gemm bucket: {}", k);
   if (const WeightsArena& a = *m->rt_->weights_arena(); a.used_bytes() > 0) {
     spdlog::info("weights arena: {:.1f} MB of weights in {:.1f} MB of regions, {} (transparent huge pages: {})",

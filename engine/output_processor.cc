@@ -48,7 +48,7 @@ OutputProcessor::Step OutputProcessor::Next(const float* row, int vocab, int con
   out.token = next;
   const bool is_stop_token =
       std::find(opt_.stop_token_ids.begin(), opt_.stop_token_ids.end(), next) != opt_.stop_token_ids.end();
-  if (!opt_.ignore_eos && next == tok_.eos_id()) {
+  if (!opt_.ignore_eos && tok_.IsEndOfGeneration(next)) {
     out.finish = FinishReason::kStop;
     out.stop_reason = "eos";
   } else if (is_stop_token) {

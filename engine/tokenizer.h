@@ -31,6 +31,14 @@ class Tokenizer {
   int bos_id() const { return bos_id_; }
   int eos_id() const { return eos_id_; }
   bool add_bos() const { return add_bos_; }
+  // The tokens that end generation, sorted (llama.cpp's end-of-generation set): EOS, the file's end-of-turn and
+  // end-of-message tokens, and every token whose text is an end-of-turn marker ("<|im_end|>", "<|eot_id|>",
+  // "<|endoftext|>", "<｜end▁of▁sentence｜>", …; docs/tokenizers.md). A chat model whose EOS is another token
+  // still stops at the end of its turn.
+  const std::vector<int>& eog_ids() const { return eog_ids_; }
+  bool IsEndOfGeneration(int id) const;
+  // Sets eog_ids from EOS, `extra` (ids inside the vocabulary) and the token texts; the loaders call it.
+  void SetEndOfGeneration(const std::vector<int>& extra);
   // Concatenated token bytes (specials included).
   std::string Decode(std::span<const int> ids) const;
 
@@ -38,13 +46,17 @@ class Tokenizer {
   int bos_id_ = -1;
   int eos_id_ = -1;
   bool add_bos_ = false;
+  std::vector<int> eog_ids_;
 };
 
-// From GGUF `tokenizer.ggml.*` (model gpt2; pre-tokenizers default/gpt-2, llama-bpe, qwen2).
+// From GGUF `tokenizer.ggml.*`: model gpt2 with llama.cpp's pre-tokenizer names (docs/tokenizers.md) or model
+// llama (SentencePiece-style); end of generation also from `tokenizer.ggml.eot_token_id` / `eom_token_id`.
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromGguf(const GgufFile& f);
-// From a Hugging Face tokenizer.json: byte-level BPE with a Split(Regex) and/or ByteLevel pre-tokenizer,
+// From a Hugging Face tokenizer.json: byte-level BPE with Split/Digits/ByteLevel pre-tokenizers in sequence,
 // the NFC normalizer, added tokens (matched only with parse_special) and ignore_merges; or
-// SentencePiece-style BPE (byte_fallback, Prepend/Replace "▁" normalizer) as Llama 2 uses.
+// SentencePiece-style BPE (byte_fallback, Prepend/Replace "▁" normalizer) as Llama 2 uses. tokenizer_config.json
+// beside it names BOS/EOS; generation_config.json beside it adds its eos_token_id (one or a list) to the
+// end-of-generation set.
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromJson(const std::string& path);
 
 // A byte-level BPE vocabulary in GGUF form: token strings in GPT-2's byte-to-unicode alphabet, token

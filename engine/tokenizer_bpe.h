@@ -125,14 +125,24 @@ class VocabTokenizer : public Tokenizer {
   bool nfc_ = false;  // NFC-normalize input first (tokenizer.json "NFC" normalizer)
 };
 
+// One pre-tokenizer split: matches of `regex` and the text between them become pieces ("Isolated", as
+// tokenizers' Split and llama.cpp's regex lists); with drop_unmatched the text between matches is dropped
+// (tokenizers' "Removed" with invert).
+struct PreSplit {
+  PreSplit(std::string r, bool drop = false) : regex(std::move(r)), drop_unmatched(drop) {}  // NOLINT: implicit
+  PreSplit(const char* r) : regex(r) {}                                                      // NOLINT: implicit
+  std::string regex;
+  bool drop_unmatched = false;
+};
+
 // Byte-level BPE (tokenizer_byte_bpe.cc): tokens in GPT-2's byte alphabet; types 3/4 mark special/added
-// tokens; merges "a b" in rank order; pattern: the pre-tokenizer regex; ignore_merges: a pre-token that is
-// itself a token is emitted whole.
+// tokens; merges "a b" in rank order; splits: the pre-tokenizer's regexes, each splitting the pieces of the one
+// before; ignore_merges: a pre-token that is itself a token is emitted whole.
 StatusOr<std::unique_ptr<Tokenizer>> MakeByteBpeTokenizer(const std::vector<std::string>& tokens,
                                                           const std::vector<int32_t>& types,
                                                           const std::vector<std::string>& merges, int bos, int eos,
-                                                          bool add_bos, const std::string& pattern, bool ignore_merges,
-                                                          bool nfc = false);
+                                                          bool add_bos, const std::vector<PreSplit>& splits,
+                                                          bool ignore_merges, bool nfc = false);
 // SentencePiece-style BPE (tokenizer_spm.cc): merges by rank (tokenizer.json) or, with none, by the merged
 // token's score (GGUF).
 StatusOr<std::unique_ptr<Tokenizer>> MakeSpmBpeTokenizer(const std::vector<std::string>& tokens,

@@ -1,4 +1,4 @@
-// Byte-level BPE: GPT-2, Llama 3 and Qwen pre-tokenizers (PCRE2 with UTF and Unicode properties), byte
+// Byte-level BPE: pre-tokenizer regexes (PCRE2 with UTF and Unicode properties) applied in turn, byte
 // tokens merged by rank.
 #include <unordered_map>
 
@@ -11,57 +11,84 @@
 namespace qkv {
 namespace {
 
+// A sequence of pre-tokenizer regexes, each splitting every piece of the one before ("Isolated" splits, as
+// tokenizers' Sequence of Split and llama.cpp's regex lists): matches and the text between them are pieces.
 class Pcre2Splitter {
  public:
-  static StatusOr<std::unique_ptr<Pcre2Splitter>> Create(const char* pattern) {
-    int err = 0;
-    PCRE2_SIZE off = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern), PCRE2_ZERO_TERMINATED,
-                                     PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &off, nullptr);
-    if (!code) return Internal("tokenizer: cannot compile pre-tokenizer regex");
-    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter if JIT is unavailable
+  static StatusOr<std::unique_ptr<Pcre2Splitter>> Create(const std::vector<PreSplit>& splits) {
+    if (splits.empty()) return Internal("tokenizer: no pre-tokenizer regex");
     auto s = std::unique_ptr<Pcre2Splitter>(new Pcre2Splitter());
-    s->code_ = code;
+    for (const PreSplit& split : splits) {
+      int err = 0;
+      PCRE2_SIZE off = 0;
+      pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(split.regex.data()), split.regex.size(),
+                                       PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &off, nullptr);
+      if (!code) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(err, msg, sizeof msg);
+        return InvalidArgument("tokenizer: cannot compile pre-tokenizer regex at offset " + std::to_string(off) + ": " +
+                               reinterpret_cast<const char*>(msg));
+      }
+      pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter if JIT is unavailable
+      s->codes_.push_back(code);
+      s->drop_.push_back(split.drop_unmatched);
+    }
     return s;
   }
-  ~Pcre2Splitter() { pcre2_code_free(code_); }
+  ~Pcre2Splitter() {
+    for (pcre2_code* c : codes_) pcre2_code_free(c);
+  }
 
-  // Calls fn(piece) for each pre-token; bytes the pattern does not match are passed through as pieces.
+  // Calls fn(piece) for each pre-token; bytes a regex does not match are pieces too unless its split drops them.
   template <typename Fn>
   void Split(std::string_view text, Fn&& fn) const {
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
-    size_t pos = 0;
-    // Invalid UTF-8 would make PCRE2 refuse the subject: validate once and fall back to byte pieces.
-    const bool valid = IsValidUtf8(text);
-    while (pos < text.size()) {
-      if (!valid) {
-        fn(text.substr(pos));
-        break;
-      }
-      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos, PCRE2_NO_UTF_CHECK,
-                                 md, nullptr);
-      if (rc < 0) {
-        fn(text.substr(pos));
-        break;
-      }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-      if (ov[0] > pos) fn(text.substr(pos, ov[0] - pos));
-      if (ov[1] == ov[0]) {  // empty match: advance one code point
-        size_t n = 1;
-        while (ov[0] + n < text.size() && (static_cast<unsigned char>(text[ov[0] + n]) & 0xC0) == 0x80) ++n;
-        fn(text.substr(ov[0], n));
-        pos = ov[0] + n;
-      } else {
-        fn(text.substr(ov[0], ov[1] - ov[0]));
-        pos = ov[1];
-      }
+    // Invalid UTF-8 would make PCRE2 refuse the subject: validate once and fall back to one byte piece.
+    if (!IsValidUtf8(text)) {
+      if (!text.empty()) fn(text);
+      return;
     }
-    pcre2_match_data_free(md);
+    std::vector<pcre2_match_data*> md(codes_.size());  // one per level: a level's matching spans the next's
+    for (size_t i = 0; i < codes_.size(); ++i) md[i] = pcre2_match_data_create_from_pattern(codes_[i], nullptr);
+    SplitLevel(0, text, md, fn);
+    for (pcre2_match_data* m : md) pcre2_match_data_free(m);
   }
 
  private:
   Pcre2Splitter() = default;
-  pcre2_code* code_ = nullptr;
+
+  template <typename Fn>
+  void SplitLevel(size_t level, std::string_view text, const std::vector<pcre2_match_data*>& md, Fn& fn) const {
+    auto emit = [&](std::string_view piece) {
+      if (level + 1 == codes_.size())
+        fn(piece);
+      else
+        SplitLevel(level + 1, piece, md, fn);
+    };
+    size_t pos = 0;
+    while (pos < text.size()) {
+      const int rc = pcre2_match(codes_[level], reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos,
+                                 PCRE2_NO_UTF_CHECK, md[level], nullptr);
+      if (rc < 0) {
+        if (!drop_[level]) emit(text.substr(pos));
+        break;
+      }
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md[level]);
+      const size_t start = ov[0], end = ov[1];
+      if (start > pos && !drop_[level]) emit(text.substr(pos, start - pos));
+      if (end == start) {  // empty match: advance one code point
+        size_t n = 1;
+        while (start + n < text.size() && (static_cast<unsigned char>(text[start + n]) & 0xC0) == 0x80) ++n;
+        emit(text.substr(start, n));
+        pos = start + n;
+      } else {
+        emit(text.substr(start, end - start));
+        pos = end;
+      }
+    }
+  }
+
+  std::vector<pcre2_code*> codes_;
+  std::vector<bool> drop_;  // per level: the text between matches is dropped, not a piece
 };
 
 // Byte-level BPE over token ids: each byte starts as its byte token; the lowest-ranked adjacent pair
@@ -69,15 +96,16 @@ class Pcre2Splitter {
 class ByteBpeTokenizer final : public VocabTokenizer {
  public:
   // tokens in GPT-2's byte alphabet; types 3/4 mark special/added tokens; merges "a b" in rank order;
-  // pattern: the pre-tokenizer regex; ignore_merges: a pre-token that is itself a token is emitted whole.
+  // splits: the pre-tokenizer regexes, applied in turn; ignore_merges: a pre-token that is itself a token is emitted
+  // whole.
   static StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
                                                      const std::vector<int32_t>& types,
                                                      const std::vector<std::string>& merges, int bos, int eos,
-                                                     bool add_bos, const std::string& pattern, bool ignore_merges,
-                                                     bool nfc = false) {
+                                                     bool add_bos, const std::vector<PreSplit>& splits,
+                                                     bool ignore_merges, bool nfc = false) {
     auto t = std::unique_ptr<ByteBpeTokenizer>(new ByteBpeTokenizer());
     t->nfc_ = nfc;
-    QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(pattern.c_str()));
+    QKV_ASSIGN_OR_RETURN(t->splitter_, Pcre2Splitter::Create(splits));
     t->ignore_merges_ = ignore_merges;
     const int n = static_cast<int>(tokens.size());
     // Reverse of ByteToUnicode.
@@ -174,9 +202,9 @@ class ByteBpeTokenizer final : public VocabTokenizer {
 StatusOr<std::unique_ptr<Tokenizer>> MakeByteBpeTokenizer(const std::vector<std::string>& tokens,
                                                           const std::vector<int32_t>& types,
                                                           const std::vector<std::string>& merges, int bos, int eos,
-                                                          bool add_bos, const std::string& pattern, bool ignore_merges,
-                                                          bool nfc) {
-  return ByteBpeTokenizer::Create(tokens, types, merges, bos, eos, add_bos, pattern, ignore_merges, nfc);
+                                                          bool add_bos, const std::vector<PreSplit>& splits,
+                                                          bool ignore_merges, bool nfc) {
+  return ByteBpeTokenizer::Create(tokens, types, merges, bos, eos, add_bos, splits, ignore_merges, nfc);
 }
 
 }  // namespace qkv

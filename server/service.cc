@@ -655,6 +655,7 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   resp->set_gemm(m.gemm().Summary());
   resp->set_instance_id(opt_.instance_id);
   resp->set_eos_token_id(m.tokenizer().eos_id());
+  for (int id : m.tokenizer().eog_ids()) resp->add_eog_token_ids(id);
   resp->set_bos_token_id(m.tokenizer().bos_id());
   resp->set_chat_template(ChatTemplateName(opt_.chat_template));
   for (const std::string& st : opt_.chat_stop) resp->add_chat_stop(st);

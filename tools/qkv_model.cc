@@ -141,7 +141,12 @@ int Info(const std::string& path) {
   if (tok.ok()) {
     std::cout << "tokenizer:         " << (*f)->GetStringOr("tokenizer.ggml.model", "?") << "/"
               << (*f)->GetStringOr("tokenizer.ggml.pre", "default") << ", " << (*tok)->vocab_size() << " tokens, bos "
-              << (*tok)->bos_id() << ", eos " << (*tok)->eos_id() << "\n";
+              << (*tok)->bos_id() << ", eos " << (*tok)->eos_id();
+    if ((*tok)->eog_ids() != std::vector<int>{(*tok)->eos_id()}) {
+      std::cout << ", generation ends at";
+      for (int id : (*tok)->eog_ids()) std::cout << " " << id;
+    }
+    std::cout << "\n";
   } else {
     std::cout << "tokenizer:         " << tok.status().ToString() << "\n";
   }

@@ -39,9 +39,9 @@ Vocab& TheVocab() {
       tokens.push_back(m);
       types.push_back(3);
     }
-    auto t = qkv::MakeByteBpeTokenizer(tokens, types, b->merges, out.marker_ids.back(), b->eos_id, true,
-                                       R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)",
-                                       false);
+    auto t = qkv::MakeByteBpeTokenizer(
+        tokens, types, b->merges, out.marker_ids.back(), b->eos_id, true,
+        {R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)"}, false);
     Check(t.ok());
     out.tok = std::move(*t);
     return out;

