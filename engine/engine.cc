@@ -42,8 +42,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineOptio
                            " rows of logits (max_logit_rows)");
   }
   if (opt.default_max_tokens < 1) return InvalidArgument("default max_tokens must be positive");
-  // The cache stores the model's layers need; the scheduler owns them from here on.
+  // The cache stores the model's layers need; the scheduler owns them from here on. Faulting their pages in is
+  // most of the start-up after the weights on a big budget (docs/performance.md): the log says how long.
+  const auto t0 = Clock::now();
   QKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheStores> cache, CacheStores::Create(model.cache_layout()));
+  spdlog::info("kv cache: {:.1f} MiB faulted in in {:.2f} s", cache->layout().bytes() / 1048576.0,
+               std::chrono::duration<double>(Clock::now() - t0).count());
   auto e = std::unique_ptr<Engine>(new Engine(model, opt, std::move(cache)));
   e->PublishStats();
   e->progress_ns_.store(Clock::now().time_since_epoch().count());

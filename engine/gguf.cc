@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <thread>
 
 #include "engine/bf16.h"
 
@@ -486,11 +488,23 @@ void GgufWriter::SetF32Array(const std::string& key, const std::vector<float>& v
 }
 void GgufWriter::AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne,
                            std::vector<uint8_t> data) {
-  tensors_.push_back({name, type, std::move(ne), std::move(data)});
+  const uint64_t n = data.size();
+  tensors_.push_back({name, type, std::move(ne), std::move(data), nullptr, n});
 }
 
-std::vector<uint8_t> GgufWriter::Serialize() const {
-  constexpr uint64_t kAlign = 32;
+void GgufWriter::AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, Fill fill) {
+  uint64_t rows = 1;
+  for (size_t i = 1; i < ne.size(); ++i) rows *= ne[i];
+  const uint64_t n = ne.empty() ? 0 : GgmlRowBytes(type, ne[0]) * rows;
+  tensors_.push_back({name, type, std::move(ne), {}, std::move(fill), n});
+}
+
+namespace {
+constexpr uint64_t kWriterAlign = 32;
+uint64_t AlignUp(uint64_t n) { return (n + kWriterAlign - 1) / kWriterAlign * kWriterAlign; }
+}  // namespace
+
+std::vector<uint8_t> GgufWriter::Header() const {
   std::vector<uint8_t> b;
   Put<uint32_t>(b, kMagic);
   Put<uint32_t>(b, 3);
@@ -507,22 +521,59 @@ std::vector<uint8_t> GgufWriter::Serialize() const {
     for (uint64_t d : t.ne) Put<uint64_t>(b, d);
     Put<uint32_t>(b, static_cast<uint32_t>(t.type));
     Put<uint64_t>(b, offset);
-    offset += (t.data.size() + kAlign - 1) / kAlign * kAlign;
+    offset += AlignUp(t.nbytes);
   }
-  b.resize((b.size() + kAlign - 1) / kAlign * kAlign, 0);
+  b.resize(AlignUp(b.size()), 0);
+  return b;
+}
+
+std::vector<uint8_t> GgufWriter::Serialize() const {
+  std::vector<uint8_t> b = Header();
   for (const Tensor& t : tensors_) {
-    b.insert(b.end(), t.data.begin(), t.data.end());
-    b.resize((b.size() + kAlign - 1) / kAlign * kAlign, 0);
+    const size_t at = b.size();
+    if (t.fill) {
+      b.resize(at + t.nbytes);
+      if (!t.fill(std::span<uint8_t>(b.data() + at, t.nbytes)).ok()) return {};
+    } else {
+      b.insert(b.end(), t.data.begin(), t.data.end());
+    }
+    b.resize(AlignUp(b.size()), 0);
   }
   return b;
 }
 
 Status GgufWriter::WriteFile(const std::string& path) const {
-  const std::vector<uint8_t> b = Serialize();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return InvalidArgument("cannot write '" + path + "'");
-  out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-  if (!out) return Internal("short write to '" + path + "'");
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (!out) return InvalidArgument("cannot write '" + tmp + "'");
+  auto fail = [&](Status s) {
+    out.close();
+    std::remove(tmp.c_str());
+    return s;
+  };
+  auto put = [&](const uint8_t* p, uint64_t n) {
+    out.write(reinterpret_cast<const char*>(p), static_cast<std::streamsize>(n));
+    return static_cast<bool>(out);
+  };
+  const std::vector<uint8_t> header = Header();
+  if (!put(header.data(), header.size())) return fail(Internal("short write to '" + tmp + "'"));
+  static const uint8_t kZeros[kWriterAlign] = {};
+  std::vector<uint8_t> buf;  // one tensor at a time
+  for (const Tensor& t : tensors_) {
+    const uint8_t* p = t.data.data();
+    if (t.fill) {
+      buf.assign(t.nbytes, 0);
+      if (Status s = t.fill(std::span<uint8_t>(buf.data(), buf.size())); !s.ok()) return fail(s);
+      p = buf.data();
+    }
+    if (!put(p, t.nbytes) || !put(kZeros, AlignUp(t.nbytes) - t.nbytes))
+      return fail(Internal("short write to '" + tmp + "' (disk full?)"));
+  }
+  buf = {};
+  out.close();
+  if (!out) return fail(Internal("short write to '" + tmp + "'"));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    return fail(Internal("cannot rename '" + tmp + "' to '" + path + "'"));
   return {};
 }
 
@@ -539,6 +590,20 @@ std::vector<uint8_t> EncodeFromF32(const float* src, uint64_t n, GgmlType type) 
   std::vector<uint8_t> out(GgmlRowBytes(type, n));
   QuantizeRow(type, src, static_cast<int64_t>(n), out.data());
   return out;
+}
+
+void EncodeRowsFromF32(const float* src, uint64_t rows, uint64_t cols, GgmlType type, uint8_t* dst, int threads) {
+  const uint64_t rb = GgmlRowBytes(type, cols);
+  threads = static_cast<int>(
+      std::clamp<uint64_t>(static_cast<uint64_t>(std::max(1, threads)), 1, std::max<uint64_t>(rows, 1)));
+  auto run = [&](int th) {
+    for (uint64_t r = rows * th / threads; r < rows * (th + 1) / threads; ++r)
+      QuantizeRow(type, src + r * cols, static_cast<int64_t>(cols), dst + r * rb);
+  };
+  std::vector<std::thread> pool;
+  for (int th = 1; th < threads; ++th) pool.emplace_back(run, th);
+  run(0);
+  for (auto& t : pool) t.join();
 }
 
 }  // namespace qkv

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -127,7 +128,15 @@ class GgufWriter {
   void SetValue(const std::string& key, const GgufValue& v);
   // Adds a tensor; `ne` is ggml order (fastest first) and `data` must hold exactly its bytes.
   void AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, std::vector<uint8_t> data);
+  // Adds a tensor whose bytes are made only when the file is written, one tensor at a time in the order they were
+  // added: `fill` gets exactly the tensor's bytes (from its type and shape) to write. A model of any size is
+  // then written holding one tensor, not the whole file twice.
+  using Fill = std::function<Status(std::span<uint8_t> dst)>;
+  void AddTensor(const std::string& name, GgmlType type, std::vector<uint64_t> ne, Fill fill);
+  // The whole file in memory (fills run; a failing fill gives an empty vector): for tests and small files.
   std::vector<uint8_t> Serialize() const;
+  // Streams the file to `path` through `path`.tmp, renamed into place once complete (a run cut short leaves no
+  // file that looks whole). Runs the fills.
   Status WriteFile(const std::string& path) const;
 
  private:
@@ -136,7 +145,10 @@ class GgufWriter {
     GgmlType type;
     std::vector<uint64_t> ne;
     std::vector<uint8_t> data;
+    Fill fill;  // when set, data is empty and the bytes come from it
+    uint64_t nbytes = 0;
   };
+  std::vector<uint8_t> Header() const;                            // metadata and tensor infos, padded to the alignment
   std::vector<std::pair<std::string, std::vector<uint8_t>>> kv_;  // key and encoded (type + value)
   std::vector<Tensor> tensors_;
 };
@@ -145,5 +157,8 @@ class GgufWriter {
 Status DequantizeToF32(const GgufTensor& t, float* dst);
 // Encodes f32 values as `type` (for the writer).
 std::vector<uint8_t> EncodeFromF32(const float* src, uint64_t n, GgmlType type);
+// Encodes rows x cols f32 values as `type` into dst (rows x GgmlRowBytes(type, cols)), rows split over `threads`
+// threads (each row is encoded alone, so the bytes do not depend on the thread count).
+void EncodeRowsFromF32(const float* src, uint64_t rows, uint64_t cols, GgmlType type, uint8_t* dst, int threads);
 
 }  // namespace qkv

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstring>
+#include <memory>
+#include <span>
 #include <thread>
 
 namespace qkv {
@@ -135,43 +138,51 @@ Status QuantizeModelFile(const std::string& in, const std::string& out, const Qu
   qv.u = qv.i = 2;
   w.SetValue("general.quantization_version", qv);
 
-  uint64_t total = 0, done = 0;
+  // Each tensor is converted when the writer streams it (one tensor in memory at a time, whatever the model's
+  // size); the report and the progress follow the file's order.
+  uint64_t total = 0;
   for (const GgufTensor& t : f->tensors()) total += t.n_elements();
+  auto done = std::make_shared<uint64_t>(0);
   threads = std::max(1, threads);
-  for (const GgufTensor& t : f->tensors()) {
-    const GgmlType to = plan.TypeFor(t.name, t.ne, t.type);
-    if (to == t.type) {
-      w.AddTensor(t.name, t.type, t.ne, std::vector<uint8_t>(t.data, t.data + t.nbytes));
-      if (report) report->push_back({t.name, t.type, to, 0});
-    } else {
-      const uint64_t cols = t.ne[0], rows = t.n_elements() / cols;
-      std::vector<float> src(t.n_elements());
-      QKV_RETURN_IF_ERROR(DequantizeToF32(t, src.data()));
-      const uint64_t rb = GgmlRowBytes(to, cols);
-      std::vector<uint8_t> dst(rb * rows);
-      std::vector<double> err(threads, 0.0);
-      std::vector<std::thread> pool;
-      for (int th = 0; th < threads; ++th) {
-        pool.emplace_back([&, th] {
-          std::vector<float> back(cols);
-          for (uint64_t r = rows * th / threads; r < rows * (th + 1) / threads; ++r) {
-            QuantizeRow(to, &src[r * cols], static_cast<int64_t>(cols), &dst[r * rb]);
-            DequantizeRow(to, &dst[r * rb], static_cast<int64_t>(cols), back.data());
-            for (uint64_t c = 0; c < cols; ++c) {
-              const double d = double(back[c]) - src[r * cols + c];
-              err[th] += d * d;
+  if (report) report->clear();
+  for (const GgufTensor& tensor : f->tensors()) {
+    const GgufTensor* tp = &tensor;
+    const GgmlType to = plan.TypeFor(tensor.name, tensor.ne, tensor.type);
+    w.AddTensor(tensor.name, to, tensor.ne, [tp, to, threads, total, done, &progress, report](std::span<uint8_t> dst) {
+      const GgufTensor& t = *tp;
+      if (to == t.type) {
+        if (dst.size() != t.nbytes) return DataLoss("gguf: tensor '" + t.name + "' has the wrong size");
+        std::memcpy(dst.data(), t.data, t.nbytes);
+        if (report) report->push_back({t.name, t.type, to, 0});
+      } else {
+        const uint64_t cols = t.ne[0], rows = t.n_elements() / cols;
+        std::vector<float> src(t.n_elements());
+        QKV_RETURN_IF_ERROR(DequantizeToF32(t, src.data()));
+        const uint64_t rb = GgmlRowBytes(to, cols);
+        std::vector<double> err(threads, 0.0);
+        std::vector<std::thread> pool;
+        for (int th = 0; th < threads; ++th) {
+          pool.emplace_back([&, th] {
+            std::vector<float> back(cols);
+            for (uint64_t r = rows * th / threads; r < rows * (th + 1) / threads; ++r) {
+              QuantizeRow(to, &src[r * cols], static_cast<int64_t>(cols), &dst[r * rb]);
+              DequantizeRow(to, &dst[r * rb], static_cast<int64_t>(cols), back.data());
+              for (uint64_t c = 0; c < cols; ++c) {
+                const double d = double(back[c]) - src[r * cols + c];
+                err[th] += d * d;
+              }
             }
-          }
-        });
+          });
+        }
+        for (auto& th : pool) th.join();
+        double e = 0;
+        for (double x : err) e += x;
+        if (report) report->push_back({t.name, t.type, to, std::sqrt(e / static_cast<double>(t.n_elements()))});
       }
-      for (auto& th : pool) th.join();
-      double e = 0;
-      for (double x : err) e += x;
-      if (report) report->push_back({t.name, t.type, to, std::sqrt(e / static_cast<double>(t.n_elements()))});
-      w.AddTensor(t.name, to, t.ne, std::move(dst));
-    }
-    done += t.n_elements();
-    if (progress) progress(done, total);
+      *done += t.n_elements();
+      if (progress) progress(*done, total);
+      return Status{};
+    });
   }
   return w.WriteFile(out);
 }

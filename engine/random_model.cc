@@ -1,6 +1,9 @@
 #include "engine/random_model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <span>
 #include <vector>
 
 #include "engine/chat_template.h"
@@ -35,26 +38,37 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
     for (auto& x : v) x = static_cast<float>(mean + (2.0 * rng.Uniform() - 1.0) * a);
     return v;
   };
+  // Every tensor's values are drawn when the writer streams it, in the order the tensors are added (the same
+  // draws as drawing them here), so only one tensor is in memory at a time; rows are encoded on opt.threads.
+  const int threads = std::max(1, opt.threads);
+  auto add = [&](const std::string& name, GgmlType t, std::vector<uint64_t> ne, double stddev, double mean,
+                 std::function<void(std::vector<float>&)> post = nullptr) {
+    const uint64_t cols = ne[0];
+    uint64_t rows = 1;
+    for (size_t i = 1; i < ne.size(); ++i) rows *= ne[i];
+    w.AddTensor(name, t, std::move(ne), [&uniform, t, rows, cols, stddev, mean, threads, post](std::span<uint8_t> dst) {
+      std::vector<float> v = uniform(static_cast<size_t>(rows * cols), stddev, mean);
+      if (post) post(v);
+      EncodeRowsFromF32(v.data(), rows, cols, t, dst.data(), threads);
+      return Status{};
+    });
+  };
   auto matrix = [&](const std::string& name, int rows, int cols, double stddev) {
-    std::vector<float> v = uniform(static_cast<size_t>(rows) * cols, stddev, 0.0);
     // Rows that are not whole blocks of the type take llama-quantize's fallback type.
     const std::vector<uint64_t> ne{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
     const GgmlType t = plan ? plan->TypeFor(name, ne, GgmlType::kF32) : GgmlFallbackType(opt.dtype, ne[0]);
-    w.AddTensor(name, t, {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)},
-                EncodeFromF32(v.data(), v.size(), t));
+    add(name, t, ne, stddev, 0.0);
   };
   // One [rows, cols] matrix per plane, stored as a 3-D tensor ne = {cols, rows, planes} (llama.cpp's per-head
   // attn_k_b / attn_v_b).
   auto planes = [&](const std::string& name, int n_planes, int rows, int cols, double stddev) {
-    std::vector<float> v = uniform(static_cast<size_t>(n_planes) * rows * cols, stddev, 0.0);
     const std::vector<uint64_t> ne{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows),
                                    static_cast<uint64_t>(n_planes)};
     const GgmlType t = plan ? plan->TypeFor(name, ne, GgmlType::kF32) : GgmlFallbackType(opt.dtype, ne[0]);
-    w.AddTensor(name, t, ne, EncodeFromF32(v.data(), v.size(), t));
+    add(name, t, ne, stddev, 0.0);
   };
   auto vec = [&](const std::string& name, int n, double stddev, double mean) {
-    std::vector<float> v = uniform(n, stddev, mean);
-    w.AddTensor(name, GgmlType::kF32, {static_cast<uint64_t>(n)}, EncodeFromF32(v.data(), v.size(), GgmlType::kF32));
+    add(name, GgmlType::kF32, {static_cast<uint64_t>(n)}, stddev, mean);
   };
   const int H = cfg.hidden;
   const int q_rows = cfg.q_dim() * (cfg.attn_output_gate ? 2 : 1);
@@ -98,16 +112,13 @@ Status WriteRandomModel(const ModelConfig& cfg, const RandomModelOptions& opt, c
       matrix(p + "attn_qkv.weight", ch, H, 1.0 / std::sqrt(H));
       matrix(p + "attn_gate.weight", vd, H, 1.0 / std::sqrt(H));
       // The conv kernel stays f32 (llama.cpp's ssm_conv takes f32; llama-quantize leaves it).
-      std::vector<float> conv = uniform(static_cast<size_t>(ch) * la.conv_kernel, 1.0 / std::sqrt(la.conv_kernel), 0.0);
-      w.AddTensor(p + "ssm_conv1d.weight", GgmlType::kF32,
-                  {static_cast<uint64_t>(la.conv_kernel), static_cast<uint64_t>(ch)},
-                  EncodeFromF32(conv.data(), conv.size(), GgmlType::kF32));
+      add(p + "ssm_conv1d.weight", GgmlType::kF32, {static_cast<uint64_t>(la.conv_kernel), static_cast<uint64_t>(ch)},
+          1.0 / std::sqrt(la.conv_kernel), 0.0);
       vec(p + "ssm_dt.bias", nv, 0.5, -1.0);
       // ssm_a = −exp(A_log), A_log in [−3, 0]: per-token decays e^g between about 0.75 and 0.99.
-      std::vector<float> a = uniform(static_cast<size_t>(nv), 0.866, -1.5);
-      for (float& e : a) e = -std::exp(e);
-      w.AddTensor(p + "ssm_a", GgmlType::kF32, {static_cast<uint64_t>(nv)},
-                  EncodeFromF32(a.data(), a.size(), GgmlType::kF32));
+      add(p + "ssm_a", GgmlType::kF32, {static_cast<uint64_t>(nv)}, 0.866, -1.5, [](std::vector<float>& a) {
+        for (float& e : a) e = -std::exp(e);
+      });
       matrix(p + "ssm_beta.weight", nv, H, 1.0 / std::sqrt(H));
       matrix(p + "ssm_alpha.weight", nv, H, 1.0 / std::sqrt(H));
       vec(p + "ssm_norm.weight", la.v_dim, 0.1, 1.0);

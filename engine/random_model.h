@@ -16,6 +16,7 @@ struct RandomModelOptions {
   uint64_t seed = 0;
   std::string preset;  // a llama-quantize preset ("Q4_K_M"): types per tensor as it chooses them (dtype unused)
   std::vector<std::string> chat_stop;  // written as qkvserve.chat.stop when not empty
+  int threads = 1;                     // encoder threads (the bytes do not depend on it)
 };
 
 // Tensor names follow llama.cpp (token_embd, blk.N.attn_q/k/v/output, attn_q_norm/attn_k_norm,

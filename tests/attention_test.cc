@@ -3,7 +3,10 @@
 #include "engine/kernels/attention.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -196,6 +199,22 @@ TEST(KvInt8, QuantizesPerTokenAndKvHead) {
   }
   // The other layer was not touched.
   for (int d = 0; d < 32; ++d) EXPECT_EQ(Held(**kv, 0, 3, 0, 0, d, true), 0.0);
+}
+
+// The arena is resident, zeroed and writable when Create returns (MAP_POPULATE), to its last byte.
+TEST(KvCacheArena, ResidentAndZero) {
+  KvCacheShape s{3, 2, 64, 16, 37, DType::kI8};  // 37 blocks: not a whole number of pages
+  auto kv = KvCache::Create(s);
+  ASSERT_TRUE(kv.ok());
+  uint8_t* base = (*kv)->K(0, 0, 0);
+  const size_t bytes = static_cast<size_t>((*kv)->arena_bytes());
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((bytes + page - 1) / page);
+  ASSERT_EQ(mincore(base, bytes, resident.data()), 0);
+  EXPECT_EQ(std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1) == 0; }), 0);
+  EXPECT_EQ(std::count(base, base + bytes, 0), static_cast<std::ptrdiff_t>(bytes));
+  base[bytes - 1] = 7;
+  EXPECT_EQ((*kv)->V(2, 36, 1)[static_cast<size_t>(16) * KvVectorBytes(DType::kI8, 64) - 1], 7);
 }
 
 // Bytes: per token, layers × 2 × kv heads × (head_dim + 2 for the bf16 scale); the arena is exactly that.

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <random>
 
@@ -50,6 +53,53 @@ TEST(Gguf, RoundTripsMetadataAndTensors) {
 }
 
 // qkvserve.chat.stop: absent is none; an array of 1..16 strings of 1..64 bytes of UTF-8, else a clear error.
+// Tensors made while the file is written (GgufWriter's fill): the file equals Serialize() and reads back; a fill
+// that fails leaves no file (nor its .tmp) and an older file at the path untouched; the bytes of an encoded row
+// do not depend on the encoder's thread count.
+TEST(Gguf, StreamedTensorsAndAFailedWriteLeavesNoFile) {
+  std::vector<float> v(4 * 256);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.1f * static_cast<float>(i));
+  auto build = [&](bool fail_second) {
+    GgufWriter w;
+    w.SetString("general.name", "stream");
+    w.AddTensor("a", GgmlType::kF32, {3}, std::vector<uint8_t>(12, 7));
+    w.AddTensor("q", GgmlType::kQ4_K, {256, 4}, [&v](std::span<uint8_t> dst) {
+      EXPECT_EQ(dst.size(), 4 * GgmlRowBytes(GgmlType::kQ4_K, 256));
+      EncodeRowsFromF32(v.data(), 4, 256, GgmlType::kQ4_K, dst.data(), 3);
+      return Status{};
+    });
+    w.AddTensor("b", GgmlType::kF32, {5}, [fail_second](std::span<uint8_t> dst) {
+      if (fail_second) return DataLoss("no bytes for b");
+      std::memset(dst.data(), 1, dst.size());
+      return Status{};
+    });
+    return w;
+  };
+  const std::string path = testing::TempDir() + "/streamed.gguf";
+  ASSERT_TRUE(build(false).WriteFile(path).ok());
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(file, build(false).Serialize());
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const GgufTensor* q = (*f)->FindTensor("q");
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(std::vector<uint8_t>(q->data, q->data + q->nbytes), EncodeFromF32(v.data(), v.size(), GgmlType::kQ4_K));
+  ASSERT_NE((*f)->FindTensor("b"), nullptr);
+  EXPECT_EQ((*f)->FindTensor("b")->data[4], 1);
+
+  const Status bad = build(true).WriteFile(path);
+  EXPECT_EQ(bad.code(), StatusCode::kDataLoss);
+  EXPECT_NE(bad.message().find("no bytes for b"), std::string::npos);
+  std::ifstream again(path, std::ios::binary);
+  EXPECT_EQ(std::vector<uint8_t>((std::istreambuf_iterator<char>(again)), std::istreambuf_iterator<char>()), file);
+  EXPECT_FALSE(std::ifstream(path + ".tmp").good());
+  const std::string fresh = testing::TempDir() + "/streamed_never.gguf";
+  EXPECT_FALSE(build(true).WriteFile(fresh).ok());
+  EXPECT_FALSE(std::ifstream(fresh).good());
+  EXPECT_TRUE(build(true).Serialize().empty());
+}
+
 TEST(Gguf, ChatStopStrings) {
   auto parse = [](const std::function<void(GgufWriter&)>& set) {
     GgufWriter w;

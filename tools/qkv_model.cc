@@ -59,6 +59,7 @@ int Random(const std::string& config_path, const std::string& out, const std::st
   qkv::RandomModelOptions ro;
   ro.seed = seed;
   ro.chat_stop = chat_stop;
+  ro.threads = qkv::AvailableCpus().threads;
   if (qkv::FindQuantPreset(dtype_s)) {
     ro.preset = dtype_s;
   } else {
